@@ -1,0 +1,68 @@
+"""DWDPConfig: the knobs of one DWDP group, validated once at construction."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+BACKENDS = ("auto", "host", "cuda")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}={value!r} must be an int in [{low}, {high if high is not None else 'inf'}]")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}={value} is out of range: expected {low} <= {name} <= {high if high is not None else 'inf'}")
+
+
+@dataclass(frozen=True)
+class DWDPConfig:
+    """Settings of a DWDP group.
+
+    group_size: ranks that share one copy of the experts (None = all ranks of the process group).
+    num_local_experts: experts each rank keeps per MoE layer (None = ceil(num_experts / group_size));
+        more than that adds redundant copies and cuts prefetch volume.
+    slice_bytes: size of one copy slice; transfers are cut into slices issued round-robin over peers.
+    num_buffers: prefetch slots (double buffering = 2); at least 2 so copy and compute overlap.
+    backend: transport backend, "auto" picks "cuda" for CUDA models and "host" otherwise.
+    wait_timeout_s: longest a rank waits for one layer's prefetch before raising.
+    inflight: slices a copier keeps outstanding at once (host: number of copier threads).
+    """
+
+    group_size: int | None = None
+    num_local_experts: int | None = None
+    slice_bytes: int = 1 << 20
+    num_buffers: int = 2
+    backend: str = "auto"
+    wait_timeout_s: float = 60.0
+    inflight: int = 2
+
+    def __post_init__(self):
+        if self.group_size is not None:
+            _check_int("group_size", self.group_size, 1)
+        if self.num_local_experts is not None:
+            _check_int("num_local_experts", self.num_local_experts, 1)
+        _check_int("slice_bytes", self.slice_bytes, 1, 1 << 34)
+        _check_int("num_buffers", self.num_buffers, 2, 64)
+        _check_int("inflight", self.inflight, 1, 64)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        timeout = self.wait_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
+            raise ValueError(f"wait_timeout_s={timeout!r} must be a finite number of seconds > 0")
+
+    def replace(self, **changes) -> "DWDPConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_json(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "DWDPConfig":
+        data = json.loads(Path(path).read_text())
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown DWDPConfig fields {unknown}; expected a subset of {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,120 @@
+"""Which rank owns which expert, and where each rank pulls its missing experts from.
+
+Legend: E = experts per MoE layer, G = ranks in the DWDP group, L = local experts per rank.
+
+Rank r owns the L consecutive experts (mod E) starting at floor(r * E / G). Starts are spread as
+evenly as integers allow, so every gap between two starts is at most ceil(E / G) <= L and every
+expert has at least one owner. When G does not divide E, or L > ceil(E / G), ranges overlap and
+the overlapping experts are redundant: they have several owners, and pulls of them are spread
+over those owners so that no source serves more than it must.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Expert ownership of one MoE layer for a DWDP group (the same for every layer).
+
+    owned[r]: sorted expert ids rank r keeps locally.
+    source[r][e]: the rank rank r reads expert e from (r itself when e is local).
+    """
+
+    num_experts: int
+    group_size: int
+    num_local_experts: int
+    owned: tuple[tuple[int, ...], ...]
+    source: tuple[tuple[int, ...], ...]
+
+    def owners(self, expert: int) -> tuple[int, ...]:
+        return tuple(r for r in range(self.group_size) if expert in self.owned[r])
+
+    def local_experts(self, rank: int) -> tuple[int, ...]:
+        return self.owned[rank]
+
+    def missing_experts(self, rank: int) -> tuple[int, ...]:
+        owned = set(self.owned[rank])
+        return tuple(e for e in range(self.num_experts) if e not in owned)
+
+    def pulls_from(self, rank: int, peer: int) -> tuple[int, ...]:
+        """Sorted experts that `rank` pulls from `peer`."""
+        return tuple(e for e in self.missing_experts(rank) if self.source[rank][e] == peer)
+
+    def source_load(self) -> tuple[int, ...]:
+        """Number of (destination, expert) pulls each rank serves."""
+        load = [0] * self.group_size
+        for r in range(self.group_size):
+            for e in self.missing_experts(r):
+                load[self.source[r][e]] += 1
+        return tuple(load)
+
+    @property
+    def is_redundant(self) -> bool:
+        return self.num_local_experts * self.group_size > self.num_experts
+
+
+def min_local_experts(num_experts: int, group_size: int) -> int:
+    return math.ceil(num_experts / group_size)
+
+
+def build_placement(num_experts: int, group_size: int, num_local_experts: int | None = None) -> Placement:
+    """Ownership and source choice for `group_size` ranks over `num_experts` experts."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be an int >= 1")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= num_experts:
+        raise ValueError(
+            f"group_size={group_size!r} must be an int in [1, num_experts={num_experts}]: "
+            "every rank needs at least one expert of its own"
+        )
+    lowest = min_local_experts(num_experts, group_size)
+    if num_local_experts is None:
+        num_local_experts = lowest
+    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or not lowest <= num_local_experts <= num_experts:
+        raise ValueError(
+            f"num_local_experts={num_local_experts!r} must be in [{lowest}, {num_experts}] for "
+            f"{num_experts} experts over group_size={group_size} (fewer would leave experts with no owner)"
+        )
+    starts = [r * num_experts // group_size for r in range(group_size)]
+    owned = tuple(
+        tuple(sorted({(start + j) % num_experts for j in range(num_local_experts)})) for start in starts
+    )
+    source = _choose_sources(num_experts, group_size, owned)
+    return Placement(num_experts, group_size, num_local_experts, owned, source)
+
+
+def _choose_sources(num_experts: int, group_size: int, owned) -> tuple[tuple[int, ...], ...]:
+    owner_sets = [set(o) for o in owned]
+    owners = [[r for r in range(group_size) if e in owner_sets[r]] for e in range(num_experts)]
+    load = [0] * group_size
+    choice = [[r if e in owner_sets[r] else -1 for e in range(num_experts)] for r in range(group_size)]
+    # Greedy: the least-loaded owner, ties broken by the destination's own spread, then by
+    # distance from (rank + 1) so that neighbouring ranks start on different sources.
+    for r in range(group_size):
+        per_dest = [0] * group_size
+        for e in range(num_experts):
+            if choice[r][e] != -1:
+                continue
+            best = min(owners[e], key=lambda o: (load[o], per_dest[o], (o - r - 1) % group_size))
+            choice[r][e] = best
+            load[best] += 1
+            per_dest[best] += 1
+    # Local repair: move a pull to another owner whenever that lowers the busier of the two.
+    # Each move lowers the sum of squared loads, so this terminates.
+    moved = True
+    while moved:
+        moved = False
+        for r in range(group_size):
+            for e in range(num_experts):
+                src = choice[r][e]
+                if src == r:
+                    continue
+                for alt in owners[e]:
+                    if alt != r and load[alt] + 1 < load[src]:
+                        choice[r][e] = alt
+                        load[src] -= 1
+                        load[alt] += 1
+                        src = alt
+                        moved = True
+    return tuple(tuple(row) for row in choice)

@@ -1,0 +1,162 @@
+"""Memory layouts of expert weights and the sliced, peer-interleaved copy plan of one layer.
+
+Legend: L = local experts per rank, M = missing experts per rank, T = weight tensors per expert
+(gate_up and down), nb[t] = bytes of tensor t of one expert.
+
+Source segment (one per rank, shared with peers): for each MoE layer, tensor-major blocks
+    [gate_up of its L local experts][down of its L local experts]
+so each rank's local parameters are plain contiguous views ([L, 2I, H] and [L, H, I]).
+
+Prefetch slot (one per buffer, private): for each source peer in pull order, the same
+tensor-major blocks for the experts pulled from that peer, so the experts path reads one
+[n_p, 2I, H] / [n_p, H, I] view per peer and never concatenates them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .placement import Placement
+
+
+@dataclass(frozen=True)
+class SegmentLayout:
+    """Byte offsets inside one rank's source segment."""
+
+    num_layers: int
+    num_local: int
+    tensor_nbytes: tuple[int, ...]
+
+    @property
+    def layer_nbytes(self) -> int:
+        return self.num_local * sum(self.tensor_nbytes)
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.num_layers * self.layer_nbytes
+
+    def tensor_offset(self, layer: int, tensor: int) -> int:
+        """Start of the [L, ...] block of `tensor` in `layer`."""
+        return layer * self.layer_nbytes + self.num_local * sum(self.tensor_nbytes[:tensor])
+
+    def offset(self, layer: int, local_index: int, tensor: int) -> int:
+        return self.tensor_offset(layer, tensor) + local_index * self.tensor_nbytes[tensor]
+
+
+@dataclass(frozen=True)
+class SlotLayout:
+    """Byte offsets inside one prefetch slot of `rank`: one block group per source peer."""
+
+    peers: tuple[int, ...]                   # source peers in pull order
+    experts_by_peer: tuple[tuple[int, ...], ...]  # experts pulled from each peer, sorted
+    tensor_nbytes: tuple[int, ...]
+
+    @property
+    def total_nbytes(self) -> int:
+        return sum(len(x) for x in self.experts_by_peer) * sum(self.tensor_nbytes)
+
+    def peer_offset(self, peer_index: int) -> int:
+        return sum(len(x) for x in self.experts_by_peer[:peer_index]) * sum(self.tensor_nbytes)
+
+    def tensor_offset(self, peer_index: int, tensor: int) -> int:
+        """Start of the [n_p, ...] block of `tensor` for the experts of peer number `peer_index`."""
+        n = len(self.experts_by_peer[peer_index])
+        return self.peer_offset(peer_index) + n * sum(self.tensor_nbytes[:tensor])
+
+    def offset(self, peer_index: int, index_in_peer: int, tensor: int) -> int:
+        return self.tensor_offset(peer_index, tensor) + index_in_peer * self.tensor_nbytes[tensor]
+
+
+def pull_order(rank: int, group_size: int) -> tuple[int, ...]:
+    """Peers in round-robin order starting at (rank + 1) mod G, so ranks start on different sources."""
+    return tuple((rank + k) % group_size for k in range(1, group_size))
+
+
+def slot_layout(placement: Placement, rank: int, tensor_nbytes: tuple[int, ...]) -> SlotLayout:
+    peers, groups = [], []
+    for peer in pull_order(rank, placement.group_size):
+        experts = placement.pulls_from(rank, peer)
+        if experts:
+            peers.append(peer)
+            groups.append(experts)
+    return SlotLayout(tuple(peers), tuple(groups), tuple(tensor_nbytes))
+
+
+@dataclass(frozen=True)
+class CopySlice:
+    """One copy: `nbytes` from byte `src_offset` of `peer`'s segment to byte `dst_offset` of the slot."""
+
+    peer: int
+    src_offset: int
+    dst_offset: int
+    nbytes: int
+    expert: int
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Every slice that brings layer `layer`'s missing experts into prefetch slot `slot`."""
+
+    rank: int
+    layer: int
+    slot: int
+    slices: tuple[CopySlice, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.slices)
+
+    @property
+    def peers(self) -> tuple[int, ...]:
+        return tuple(sorted({s.peer for s in self.slices}))
+
+    def slices_per_expert(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for s in self.slices:
+            counts[s.expert] = counts.get(s.expert, 0) + 1
+        return counts
+
+
+def build_copy_plan(
+    placement: Placement,
+    rank: int,
+    layer: int,
+    slot: int,
+    segment: SegmentLayout,
+    slice_bytes: int,
+) -> CopyPlan:
+    """Slices of at most `slice_bytes` (each tensor's last slice shorter), ordered slice offset
+    first and peers round-robin second, so pulls from different sources interleave."""
+    if slice_bytes < 1:
+        raise ValueError(f"slice_bytes={slice_bytes} must be >= 1")
+    layout = slot_layout(placement, rank, segment.tensor_nbytes)
+    streams: list[list[CopySlice]] = []
+    for p_index, peer in enumerate(layout.peers):
+        peer_local = placement.owned[peer]
+        stream = []
+        for i, expert in enumerate(layout.experts_by_peer[p_index]):
+            src_index = peer_local.index(expert)
+            for t, nbytes in enumerate(segment.tensor_nbytes):
+                src = segment.offset(layer, src_index, t)
+                dst = layout.offset(p_index, i, t)
+                for start in range(0, nbytes, slice_bytes):
+                    n = min(slice_bytes, nbytes - start)
+                    stream.append(CopySlice(peer, src + start, dst + start, n, expert))
+        streams.append(stream)
+    ordered = []
+    for k in range(max((len(s) for s in streams), default=0)):
+        for stream in streams:
+            if k < len(stream):
+                ordered.append(stream[k])
+    return CopyPlan(rank, layer, slot, tuple(ordered))
+
+
+class PlanCache:
+    """Copy plans built once per (layer, slot) for one rank and reused on every forward."""
+
+    def __init__(self, placement: Placement, rank: int, segment: SegmentLayout, slice_bytes: int):
+        self.placement, self.rank, self.segment, self.slice_bytes = placement, rank, segment, slice_bytes
+        self.get = lru_cache(maxsize=None)(self._build)
+
+    def _build(self, layer: int, slot: int) -> CopyPlan:
+        return build_copy_plan(self.placement, self.rank, layer, slot, self.segment, self.slice_bytes)

@@ -1,0 +1,155 @@
+"""Prefetch slots: issue, wait and release per MoE layer.
+
+MoE layers are visited in a cycle 0, 1, ..., M-1, 0, 1, ... across forwards; visit n uses slot
+n % B. At visit n the rank waits for its slot, issues the copy of the next layer into the next
+slot, computes, and releases. A copy into a slot that compute still reads is deferred until that
+slot is released (the host analogue of a copy stream waiting on the consumer's event), so a slot
+is never overwritten under a reader. A slot that already holds the wanted layer is reused.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .plan import PlanCache
+from .transport.base import PrefetchTimeout, Ticket, Transport
+
+
+@dataclass
+class PrefetchStats:
+    """What one rank's prefetcher did since creation (or the last `reset`)."""
+
+    bytes_copied: int = 0
+    plans_issued: int = 0
+    slot_hits: int = 0
+    wait_s: float = 0.0
+    waits: int = 0
+    wait_s_per_layer: dict[int, float] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        self.__init__()
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor
+    layer: int | None = None        # layer whose bytes are (or will be) in the buffer
+    ticket: Ticket | None = None    # copy in flight or finished; None while deferred
+    readers: int = 0                # compute currently reading the buffer
+    deferred: bool = False          # a copy waits for readers to reach 0
+
+
+class Prefetcher:
+    def __init__(
+        self,
+        transport: Transport,
+        plans: PlanCache,
+        slot_buffers: list[torch.Tensor],
+        num_layers: int,
+        timeout_s: float,
+    ):
+        if len(slot_buffers) < 2:
+            raise ValueError(f"num_buffers={len(slot_buffers)} must be >= 2")
+        self.transport, self.plans, self.num_layers, self.timeout_s = transport, plans, num_layers, timeout_s
+        self.slots = [_Slot(b) for b in slot_buffers]
+        self.stats = PrefetchStats()
+        self._visit = 0
+        self._cond = threading.Condition()
+
+    @property
+    def num_buffers(self) -> int:
+        return len(self.slots)
+
+    def slot_of_visit(self, visit: int) -> int:
+        return visit % self.num_buffers
+
+    # -- public per-layer protocol -------------------------------------------------------------
+    def start_forward(self) -> None:
+        """Make sure layer 0 is on its way before the forward reaches its first MoE layer."""
+        with self._cond:
+            if self._visit % self.num_layers != 0:
+                # The previous forward stopped early: restart the cycle at the next layer 0.
+                self._visit += self.num_layers - self._visit % self.num_layers
+            self._issue_locked(0, self.slot_of_visit(self._visit))
+
+    def acquire(self, layer: int) -> int:
+        """Wait until `layer`'s experts are in a slot, prefetch the next layer, return the slot."""
+        start = time.perf_counter()
+        with self._cond:
+            if self._visit % self.num_layers != layer:
+                self._visit += (layer - self._visit) % self.num_layers
+            slot_index = self.slot_of_visit(self._visit)
+            slot = self.slots[slot_index]
+            self._issue_locked(layer, slot_index)
+            # A copy deferred behind an earlier reader of this slot starts when that reader releases.
+            started = self._cond.wait_for(lambda: slot.ticket is not None, timeout=self.timeout_s)
+            if not started:
+                raise PrefetchTimeout(
+                    f"prefetch of layer {layer} into slot {slot_index} never started within "
+                    f"{self.timeout_s:.3g} s: compute still holds that slot ({slot.readers} reader(s))"
+                )
+            ticket = slot.ticket
+            slot.readers += 1
+        try:
+            ticket.wait(max(self.timeout_s - (time.perf_counter() - start), 1e-3))
+        except BaseException:
+            self.release(slot_index)
+            raise
+        waited = time.perf_counter() - start
+        with self._cond:
+            self.stats.wait_s += waited
+            self.stats.waits += 1
+            self.stats.wait_s_per_layer[layer] = self.stats.wait_s_per_layer.get(layer, 0.0) + waited
+            self._visit += 1
+            if not self._issue_locked((layer + 1) % self.num_layers, self.slot_of_visit(self._visit)):
+                self.stats.slot_hits += 1
+        return slot_index
+
+    def release(self, slot_index: int) -> None:
+        """Compute no longer reads `slot_index`; a deferred copy into it may start."""
+        with self._cond:
+            slot = self.slots[slot_index]
+            if slot.readers <= 0:
+                raise RuntimeError(f"release of slot {slot_index} that no compute holds")
+            slot.readers -= 1
+            if slot.readers == 0 and slot.deferred:
+                self._submit_locked(slot_index)
+            self._cond.notify_all()
+
+    def drain(self) -> None:
+        """Wait for every copy in flight; deferred copies are dropped."""
+        with self._cond:
+            tickets = [s.ticket for s in self.slots if s.ticket is not None]
+            for s in self.slots:
+                if s.deferred:
+                    s.deferred, s.layer = False, None
+        for ticket in tickets:
+            try:
+                ticket.wait(self.timeout_s)
+            except RuntimeError:
+                pass  # a failed copy was already reported to the compute that waited on it
+
+    # -- internals -----------------------------------------------------------------------------
+    def _issue_locked(self, layer: int, slot_index: int) -> bool:
+        """Start (or defer) the copy of `layer` into the slot; False when it is already there."""
+        slot = self.slots[slot_index]
+        if slot.layer == layer and (slot.deferred or (slot.ticket is not None and slot.ticket.error is None)):
+            return False
+        slot.layer, slot.ticket = layer, None
+        if slot.readers > 0:
+            slot.deferred = True
+        else:
+            self._submit_locked(slot_index)
+        return True
+
+    def _submit_locked(self, slot_index: int) -> None:
+        slot = self.slots[slot_index]
+        plan = self.plans.get(slot.layer, slot_index)
+        slot.deferred = False
+        slot.ticket = self.transport.submit(plan, slot.buffer)
+        self.stats.bytes_copied += plan.nbytes
+        self.stats.plans_issued += 1
+        self._cond.notify_all()

@@ -1,0 +1,66 @@
+"""One timing helper for every benchmark: warm-up, then repeated timed calls, median and spread.
+
+Setup belongs outside `fn`; on CUDA the calls are timed with device events, elsewhere with
+perf_counter_ns.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_s: float
+    p10_s: float
+    p90_s: float
+    repeats: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def time_fn(fn, *, warmup: int = 2, repeats: int = 5, device: str | torch.device = "cpu") -> Timing:
+    """Run `fn()` `warmup` times untimed, then `repeats` timed times."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
+    device = torch.device(device)
+    for _ in range(warmup):
+        fn()
+    samples = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t0) / 1e9)
+    return Timing(statistics.median(samples), _quantile(samples, 0.1), _quantile(samples, 0.9), repeats)
+
+
+def device_tag(device: str | torch.device = "cpu") -> str:
+    """Short name of where a benchmark ran, for result file names: cpu, h100, h200, ..."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for tag in ("h200", "h100", "b200", "gb200", "a100", "l40s"):
+        if tag in name:
+            return tag
+    return name.replace(" ", "_")
