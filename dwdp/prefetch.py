@@ -1,8 +1,8 @@
 """Prefetch slots: issue, wait and release per MoE layer.
 
 MoE layers are visited in a cycle 0, 1, ..., M-1, 0, 1, ... across forwards; visit n uses slot
-n % B. At visit n the rank waits for its slot, issues the copy of the next layer into the next
-slot, computes, and releases. A copy into a slot that compute still reads is deferred until that
+n % B. At visit n the rank issues the copy of the next layer into the next slot, waits for its own
+slot, computes, and releases it. A copy into a slot that compute still reads is deferred until that
 slot is released (the host analogue of a copy stream waiting on the consumer's event), so a slot
 is never overwritten under a reader. A slot that already holds the wanted layer is reused.
 """
@@ -75,9 +75,9 @@ class Prefetcher:
                 self._visit += self.num_layers - self._visit % self.num_layers
             self._issue_locked(0, self.slot_of_visit(self._visit))
 
-    def acquire(self, layer: int) -> int:
-        """Wait until `layer`'s experts are in a slot, prefetch the next layer, return the slot."""
-        start = time.perf_counter()
+    def begin(self, layer: int) -> int:
+        """Enter MoE layer `layer`: make sure its copy is issued, issue the next layer's copy into
+        the next slot, and hold this layer's slot for reading. Returns the slot index."""
         with self._cond:
             if self._visit % self.num_layers != layer:
                 self._visit += (layer - self._visit) % self.num_layers
@@ -91,22 +91,23 @@ class Prefetcher:
                     f"prefetch of layer {layer} into slot {slot_index} never started within "
                     f"{self.timeout_s:.3g} s: compute still holds that slot ({slot.readers} reader(s))"
                 )
-            ticket = slot.ticket
             slot.readers += 1
-        try:
-            ticket.wait(max(self.timeout_s - (time.perf_counter() - start), 1e-3))
-        except BaseException:
-            self.release(slot_index)
-            raise
-        waited = time.perf_counter() - start
-        with self._cond:
-            self.stats.wait_s += waited
-            self.stats.waits += 1
-            self.stats.wait_s_per_layer[layer] = self.stats.wait_s_per_layer.get(layer, 0.0) + waited
             self._visit += 1
             if not self._issue_locked((layer + 1) % self.num_layers, self.slot_of_visit(self._visit)):
                 self.stats.slot_hits += 1
         return slot_index
+
+    def wait(self, layer: int, slot_index: int) -> float:
+        """Block until `layer`'s experts have landed in `slot_index`; returns the seconds waited."""
+        slot = self.slots[slot_index]
+        if slot.layer != layer or slot.ticket is None:
+            raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        waited = slot.ticket.wait(self.timeout_s)
+        with self._cond:
+            self.stats.wait_s += waited
+            self.stats.waits += 1
+            self.stats.wait_s_per_layer[layer] = self.stats.wait_s_per_layer.get(layer, 0.0) + waited
+        return waited
 
     def release(self, slot_index: int) -> None:
         """Compute no longer reads `slot_index`; a deferred copy into it may start."""

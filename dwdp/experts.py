@@ -1,0 +1,94 @@
+"""The `dwdp` experts function: transformers calls it in place of its own experts forward.
+
+Legend: T = tokens, k = experts per token, S = T * k token-expert pairs, H = hidden, I = expert
+intermediate size, E = experts, L = local experts.
+
+Experts are addressed through a per-layer weight table in "table order": the L local experts
+first, then the remote experts slot-buffer by slot-buffer. Rows are sorted by table position, so
+the local experts' rows come first and are computed before the prefetch of this layer is waited
+on; the remote rows follow. Each expert's weights are read where they live, never concatenated.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .kernels.reference import grouped_gemm_reference
+
+EXPERTS_IMPLEMENTATION = "dwdp"
+
+
+@dataclass
+class LayerTables:
+    """Per-expert weight views of one layer, in table order, for one prefetch slot."""
+
+    gate_up: list[torch.Tensor]  # E views [2I, H]
+    down: list[torch.Tensor]     # E views [H, I]
+
+
+@dataclass
+class LayerRuntime:
+    """What the experts function of one MoE layer needs; attached to its experts module."""
+
+    layer: int
+    num_local: int
+    position: torch.Tensor           # [E] int64: table position of each expert id
+    tables: list[LayerTables]        # one per prefetch slot
+    prefetcher: object               # dwdp.prefetch.Prefetcher
+
+
+def _run_experts(module, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int, hi: int,
+                 out: torch.Tensor) -> None:
+    """out[rows of experts lo..hi) = down(gate(gate_up(x))) for table positions lo..hi."""
+    r0, r1 = offsets[lo], offsets[hi]
+    if r1 == r0:
+        return
+    local_offsets = [o - r0 for o in offsets[lo : hi + 1]]
+    h = grouped_gemm_reference(x_sorted[r0:r1], local_offsets, tables.gate_up[lo:hi])  # [s, 2I]
+    h = module._apply_gate(h)                                                           # [s, I]
+    out[r0:r1] = grouped_gemm_reference(h, local_offsets, tables.down[lo:hi])           # [s, H]
+
+
+def dwdp_experts_forward(
+    self: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+) -> torch.Tensor:
+    """hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H]."""
+    runtime: LayerRuntime | None = getattr(self, "_dwdp_runtime", None)
+    if runtime is None:
+        raise RuntimeError(
+            f"{type(self).__name__} is set to the 'dwdp' experts implementation but was not wrapped by DWDPModel"
+        )
+    num_tokens, top_k = top_k_index.shape
+    num_experts = runtime.position.numel()
+    prefetcher = runtime.prefetcher
+    # Issue this layer's copy (if not already in flight) and the next layer's, before any compute.
+    slot = prefetcher.begin(runtime.layer)
+    try:
+        table_pos = runtime.position[top_k_index.reshape(-1)]                # [S]
+        sorted_pos, perm = torch.sort(table_pos, stable=True)                # [S]
+        counts = torch.bincount(sorted_pos, minlength=num_experts)           # [E]
+        offsets = [0] + torch.cumsum(counts, 0).tolist()                     # E + 1 row offsets
+        x_sorted = hidden_states[perm // top_k]                              # [S, H]
+        out_sorted = hidden_states.new_empty(x_sorted.shape)                 # [S, H]
+        tables = runtime.tables[slot]
+        # Local experts never move: compute them while remote copies are still landing.
+        _run_experts(self, x_sorted, offsets, tables, 0, runtime.num_local, out_sorted)
+        prefetcher.wait(runtime.layer, slot)
+        _run_experts(self, x_sorted, offsets, tables, runtime.num_local, num_experts, out_sorted)
+    finally:
+        prefetcher.release(slot)
+    out_sorted.mul_(top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out_sorted.dtype))
+    out = torch.empty_like(out_sorted)                                       # [S, H] in token order
+    out[perm] = out_sorted
+    return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def register_experts_implementation() -> None:
+    """Make 'dwdp' a valid `experts_implementation` of transformers (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, dwdp_experts_forward)

@@ -1,0 +1,166 @@
+"""Process-group bootstrap: torchrun (env://), or a local group spawned by `dwdp demo` and tests.
+
+DWDP only talks to peers once, at setup (exchanging segment handles); after that no rank waits on
+another. The world may hold several DWDP groups of `group_size` consecutive ranks each.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DWDPGroup:
+    """This process's place in its DWDP group.
+
+    rank/size: position and size inside the DWDP group; global_rank/world_size: in the whole world.
+    process_group: the torch.distributed group of the DWDP group (None when size is 1 and no
+    process group exists).
+    """
+
+    rank: int
+    size: int
+    global_rank: int = 0
+    world_size: int = 1
+    process_group: object | None = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank={self.rank} must be in [0, size={self.size})")
+
+    def all_gather_object(self, obj) -> list:
+        if self.size == 1:
+            return [obj]
+        if self.process_group is None:
+            raise RuntimeError(f"DWDP group of size {self.size} has no process group to exchange handles over")
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.process_group)
+        return out
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            if self.process_group is None:
+                raise RuntimeError(f"DWDP group of size {self.size} has no process group for a barrier")
+            dist.barrier(group=self.process_group)
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_group(group_size: int | None = None, backend: str | None = None, timeout_s: float = 120.0) -> DWDPGroup:
+    """Join the world described by the env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
+    and return this rank's DWDP group of `group_size` consecutive ranks (default: the whole world).
+
+    Without those variables and with no initialised process group, returns a one-rank group.
+    """
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            if group_size not in (None, 1):
+                raise ValueError(
+                    f"group_size={group_size} needs a distributed launch (torchrun or `dwdp demo --ranks N`); "
+                    "WORLD_SIZE is not set"
+                )
+            return DWDPGroup(rank=0, size=1)
+        dist.init_process_group(backend or default_backend(), timeout=datetime.timedelta(seconds=timeout_s))
+    world, global_rank = dist.get_world_size(), dist.get_rank()
+    size = group_size or world
+    if world % size:
+        raise ValueError(f"group_size={size} must divide the world size {world}")
+    mine = None
+    # Every rank creates every subgroup, in the same order, as torch.distributed requires.
+    for start in range(0, world, size):
+        ranks = list(range(start, start + size))
+        pg = dist.new_group(ranks) if size < world else dist.group.WORLD
+        if global_rank in ranks:
+            mine = pg
+    return DWDPGroup(global_rank % size, size, global_rank, world, mine)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank: int, world: int, port: int, args: tuple, results, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    torch.set_num_threads(1)
+    try:
+        value = fn(rank, *args)
+        results.put((rank, True, value))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class LaunchError(RuntimeError):
+    """A rank of a local group failed or did not finish in time."""
+
+
+def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None) -> list:
+    """Run `fn(rank, *args)` in `nprocs` spawned processes forming one env:// world on loopback.
+
+    Returns the per-rank return values (picklable). Raises LaunchError naming the rank on the first
+    failure, a crash without a result, or when `timeout_s` passes; every child is stopped.
+    """
+    import multiprocessing as mp
+    import queue
+    import time
+
+    if nprocs < 1:
+        raise ValueError(f"nprocs={nprocs} must be >= 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results, dict(env or {})), daemon=False)
+        for r in range(nprocs)
+    ]
+    for p in procs:
+        p.start()
+    values: dict[int, object] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) < nprocs:
+            try:
+                rank, ok, value = results.get(timeout=0.5)
+            except queue.Empty:
+                for r, p in enumerate(procs):
+                    if r not in values and p.exitcode is not None:
+                        # Exited; its result may still be in the pipe.
+                        try:
+                            rank, ok, value = results.get(timeout=2.0)
+                            break
+                        except queue.Empty:
+                            raise LaunchError(f"rank {r} exited with code {p.exitcode} without a result") from None
+                else:
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(nprocs)) - set(values))
+                        raise LaunchError(f"ranks {missing} did not finish within {timeout_s:.0f} s")
+                    continue
+            if not ok:
+                raise LaunchError(f"rank {rank} failed:\n{value}")
+            values[rank] = value
+        for p in procs:
+            p.join(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    return [values[r] for r in range(nprocs)]

@@ -1,0 +1,188 @@
+"""DWDPModel: turn a finished transformers MoE model into one rank of a DWDP group.
+
+Legend: E = experts per MoE layer, L = local experts per rank, M = MoE layers, B = prefetch slots.
+
+Each rank keeps the dense weights and L experts per layer (in its shared source segment), frees
+the other experts, and runs every MoE layer through the `dwdp` experts function, which reads
+local experts in place and remote ones from a prefetch slot filled by copies from peers.
+"""
+from __future__ import annotations
+
+import logging
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import envs
+from .adapters import find_experts
+from .config import DWDPConfig
+from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, register_experts_implementation
+from .group import DWDPGroup, init_group
+from .placement import Placement, build_placement
+from .plan import PlanCache, SegmentLayout, slot_layout
+from .prefetch import Prefetcher
+from .transport import make_transport, resolve_backend
+
+log = logging.getLogger("dwdp")
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes this rank holds, against what the unwrapped model needed."""
+
+    full_expert_bytes: int      # every expert of every MoE layer
+    local_expert_bytes: int     # this rank's local experts (its source segment)
+    prefetch_buffer_bytes: int  # all prefetch slots
+    dense_bytes: int            # every other parameter and buffer
+
+    @property
+    def resident_expert_bytes(self) -> int:
+        return self.local_expert_bytes + self.prefetch_buffer_bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.full_expert_bytes - self.resident_expert_bytes
+
+
+def _dense_bytes(model: torch.nn.Module, skip: set[int]) -> int:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors if id(t) not in skip)
+
+
+class DWDPModel(torch.nn.Module):
+    """One rank of a DWDP group around `model`, called exactly like `model`.
+
+    model: a transformers 5 MoE model (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, OLMoE), on the
+        CPU for the host backend; it is modified in place (its non-local experts are freed).
+    config: DWDPConfig; group_size None means the whole DWDP group passed in `group`.
+    group: DWDPGroup; None joins the env:// world (torchrun) or, without one, a one-rank group.
+    """
+
+    def __init__(self, model: torch.nn.Module, config: DWDPConfig | None = None, group: DWDPGroup | None = None):
+        super().__init__()
+        config = config or DWDPConfig()
+        adapter, experts = find_experts(model)  # validates the model before any collective
+        if group is None:
+            group = init_group(config.group_size)
+        if config.group_size is not None and config.group_size != group.size:
+            raise ValueError(f"config.group_size={config.group_size} but the DWDP group has {group.size} ranks")
+        first = experts[0][1]
+        num_experts = first.num_experts
+        shapes = [tuple(t.shape[1:]) for t in adapter.expert_tensors(first)]
+        dtype = first.gate_up_proj.dtype
+        for name, module in experts:
+            got = [tuple(t.shape[1:]) for t in adapter.expert_tensors(module)]
+            if module.num_experts != num_experts or got != shapes or module.gate_up_proj.dtype != dtype:
+                raise ValueError(
+                    f"{name} has {module.num_experts} experts of shapes {got} ({module.gate_up_proj.dtype}); "
+                    f"expected {num_experts} of {shapes} ({dtype}) like {experts[0][0]}"
+                )
+        placement = build_placement(num_experts, group.size, config.num_local_experts)
+        backend = resolve_backend(config.backend, first.gate_up_proj.device)
+        timeout_s = envs.wait_timeout_s(config.wait_timeout_s)
+
+        self.model = model
+        self.dwdp_config = config
+        self.group = group
+        self.placement = placement
+        self.backend = backend
+        self.experts_modules = [m for _, m in experts]
+
+        elem = torch.tensor([], dtype=dtype).element_size()
+        tensor_nbytes = tuple(int(torch.Size(s).numel()) * elem for s in shapes)
+        segment_layout = SegmentLayout(len(experts), placement.num_local_experts, tensor_nbytes)
+        slots = slot_layout(placement, group.rank, tensor_nbytes)
+        full_bytes = len(experts) * num_experts * sum(tensor_nbytes)
+
+        transport = make_transport(backend, group.rank, config.inflight)
+        self.transport = transport
+        self._finalizer = weakref.finalize(self, transport.close)
+        try:
+            segment = transport.alloc_segment(segment_layout.total_nbytes)
+            local_ids = torch.tensor(placement.local_experts(group.rank))
+            for layer, (_, module) in enumerate(experts):
+                local = []
+                for t, (stacked, shape) in enumerate(zip(adapter.expert_tensors(module), shapes)):
+                    start = segment_layout.tensor_offset(layer, t)
+                    view = segment[start : start + placement.num_local_experts * tensor_nbytes[t]]
+                    view = view.view(dtype).view(placement.num_local_experts, *shape)  # [L, ...]
+                    view.copy_(stacked.detach()[local_ids])
+                    local.append(view)
+                # Dropping the stacked [E, ...] parameters frees the non-local experts.
+                adapter.replace_tensors(module, tuple(local))
+            handles = group.all_gather_object(transport.register())
+            transport.open(handles)
+            group.barrier()  # every peer has mapped our segment: its name can go
+            transport.seal()
+        except BaseException:
+            transport.close()
+            raise
+
+        slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
+        plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes)
+        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(experts), timeout_s)
+
+        remote_order = [e for experts_of_peer in slots.experts_by_peer for e in experts_of_peer]
+        table_order = list(placement.local_experts(group.rank)) + remote_order
+        position = torch.empty(num_experts, dtype=torch.long)
+        position[torch.tensor(table_order)] = torch.arange(num_experts)
+        for layer, module in enumerate(self.experts_modules):
+            tables = [self._layer_tables(module, slots, buf, shapes, dtype) for buf in slot_buffers]
+            module._dwdp_runtime = LayerRuntime(layer, placement.num_local_experts, position, tables, self.prefetcher)
+
+        register_experts_implementation()
+        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        self._hook = model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())
+
+        expert_ids = {id(t) for m in self.experts_modules for t in adapter.expert_tensors(m)}
+        self.memory = MemoryReport(
+            full_expert_bytes=full_bytes,
+            local_expert_bytes=segment_layout.total_nbytes,
+            prefetch_buffer_bytes=config.num_buffers * slots.total_nbytes,
+            dense_bytes=_dense_bytes(model, expert_ids),
+        )
+        log.info("rank %d/%d: %s backend, %s", group.rank, group.size, backend, self.memory)
+
+    @staticmethod
+    def _layer_tables(module, slots, buffer: torch.Tensor, shapes, dtype) -> LayerTables:
+        gate_up = list(module.gate_up_proj.unbind(0))  # local experts first: L views [2I, H]
+        down = list(module.down_proj.unbind(0))        # L views [H, I]
+        for p_index, experts_of_peer in enumerate(slots.experts_by_peer):
+            n = len(experts_of_peer)
+            for t, (shape, dst) in enumerate(zip(shapes, (gate_up, down))):
+                start = slots.tensor_offset(p_index, t)
+                nbytes = n * slots.tensor_nbytes[t]
+                block = buffer[start : start + nbytes].view(dtype).view(n, *shape)  # [n_p, ...]
+                dst.extend(block.unbind(0))
+        return LayerTables(gate_up, down)
+
+    # -- the wrapped model is called exactly like the original ---------------------------------
+    def forward(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.model, name)
+
+    @property
+    def stats(self):
+        return self.prefetcher.stats
+
+    def close(self) -> None:
+        """Wait for copies in flight and release shared memory; the model is unusable afterwards."""
+        if getattr(self, "_hook", None) is not None:
+            self._hook.remove()
+            self._hook = None
+        try:
+            self.prefetcher.drain()
+        finally:
+            self._finalizer()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
