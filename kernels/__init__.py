@@ -1,4 +1,31 @@
-"""Kernels of dwdp (installed as dwdp.kernels), each with a plain-PyTorch reference."""
-from .reference import grouped_gemm_reference
+"""Kernels of dwdp (installed as dwdp.kernels), each with a plain-PyTorch reference.
 
-__all__ = ["grouped_gemm_reference"]
+The Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); importing this
+package needs neither, and the references run anywhere.
+"""
+from .grouped_gemm import (
+    ExpertWeightTable,
+    GroupedGemmConfig,
+    default_wave_size,
+    expert_weight_table,
+    grouped_gemm,
+    is_interpreter,
+    local_first_split,
+)
+from .moe import moe_experts, sort_by_expert
+from .reference import grouped_gemm_reference, moe_experts_reference, swiglu_reference
+
+__all__ = [
+    "ExpertWeightTable",
+    "GroupedGemmConfig",
+    "default_wave_size",
+    "expert_weight_table",
+    "grouped_gemm",
+    "grouped_gemm_reference",
+    "is_interpreter",
+    "local_first_split",
+    "moe_experts",
+    "moe_experts_reference",
+    "sort_by_expert",
+    "swiglu_reference",
+]

@@ -40,3 +40,40 @@ def grouped_gemm_reference(
         if hi > lo:
             out[lo:hi] = F.linear(x_sorted[lo:hi], w)
     return out
+
+
+def swiglu_reference(gate_up_out: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a [T, 2I] tensor in transformers' [gate; up] layout; returns [T, I]."""
+    gate, up = gate_up_out.chunk(2, dim=-1)  # [T, I] each
+    return F.silu(gate) * up
+
+
+def moe_experts_reference(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: Sequence[torch.Tensor],
+    down: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with e = top_k_index[t, j].
+
+    Same semantics as transformers' experts functions: every expert's math in hidden's dtype,
+    the routing weight applied to the expert output, the k contributions of a token summed
+    over a [T, k, H] buffer (fp32 accumulation inside the sum, one rounding).
+    hidden: [T, H]; top_k_index: [T, k] integer expert ids in [0, E); top_k_weights: [T, k].
+    gate_up: E views [2I, H] (first I rows gate, next I rows up); down: E views [H, I].
+    Returns [T, H] in hidden's dtype.
+    """
+    if len(gate_up) != len(down):
+        raise ValueError(f"gate_up has {len(gate_up)} experts but down has {len(down)}")
+    num_tokens, hidden_dim = hidden.shape
+    top_k = top_k_index.shape[1]
+    per_slot = hidden.new_zeros(num_tokens, top_k, hidden_dim)  # [T, k, H]
+    for e in range(len(gate_up)):
+        token_idx, pos = torch.where(top_k_index == e)  # [n_e] each
+        if token_idx.numel() == 0:
+            continue
+        h = swiglu_reference(F.linear(hidden[token_idx], gate_up[e]))  # [n_e, I]
+        y = F.linear(h, down[e])  # [n_e, H]
+        per_slot[token_idx, pos] = y * top_k_weights[token_idx, pos, None].to(y.dtype)
+    return per_slot.sum(dim=1)

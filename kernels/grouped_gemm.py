@@ -1,0 +1,498 @@
+"""Multi-buffer grouped GEMM: each expert's weights are read in place through a table of addresses.
+
+After prefetch a layer's experts live in several tensors (the rank's local parameter and one
+buffer per source peer). Instead of merging them into one [E, N, K] tensor, the wrapper builds
+an int64 table of per-expert base addresses and the kernel loads the base of the expert it is
+working on. There is no cap on the number of distinct buffers.
+
+Legend: T = rows (token-expert pairs) sorted by expert, K = input features, N = rows of each
+expert's weight, N_OUT = output features (N, or N / 2 with the SwiGLU epilogue), E = experts in
+the table, W = wave size (programs of the persistent grid, one tile each per wave).
+
+Schedule: tiles are numbered expert by expert (expert-major, then n-tile, then m-tile, so the
+m-tiles of one expert that share a weight tile run side by side and hit L2). The tile count of
+every expert comes from `expert_offsets` on the device, so no host sync is needed; the grid is a
+persistent one of at most W programs striding over the tiles.
+
+Local-first: with `split_at=L` (experts [0, L) local), `part="first"` runs a prefix of the local
+experts and `part="second"` the rest, so the first launch can start while remote experts are
+still being copied. The prefix is the longest one of at most L experts such that the two
+launches need no more waves than a single launch: ceil(P1 / W) + ceil((P - P1) / W) ==
+ceil(P / W) for the P1 tiles of the prefix and P tiles in all. `local_first_split` is the host
+mirror of that choice.
+
+Interpreter: Triton's interpreter computes bf16/fp16 `tl.dot` wrongly, so under TRITON_INTERPRET
+the tiles are upcast to fp32 before the dot (FP32_DOT). On GPU bf16/fp16 tiles go to the tensor
+cores with fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32), like torch.mm.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # dwdp.kernels must import on machines without Triton (CPU runtime uses reference.py)
+    triton = None
+    tl = None
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_OFFSET_DTYPES = (torch.int32, torch.int64)
+_ALIGN_BYTES = 16
+_PARTS = {"all": 0, "first": 1, "second": 2}
+# Under the interpreter programs run one after another; a few programs exercise the persistent loop.
+_INTERPRETER_WAVE_SIZE = 4
+
+
+@dataclass(frozen=True)
+class GroupedGemmConfig:
+    """Tile sizes and launch settings of the grouped GEMM (not tuned per device yet)."""
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+    programs_per_sm: int = 2  # persistent programs per SM: the wave size is num_sms * programs_per_sm
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name}={value} must be a power of two >= 16 (tl.dot tile)")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
+        if self.num_stages < 1:
+            raise ValueError(f"num_stages={self.num_stages} must be >= 1")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
+
+
+@dataclass(frozen=True)
+class ExpertWeightTable:
+    """Per-expert base addresses of E weight views [N, K] that may live in different buffers.
+
+    Build it once per layer and buffer slot with `expert_weight_table` (the addresses of the
+    local parameter and of the prefetch slots do not change) and pass it instead of the list.
+    `views` keeps the underlying buffers alive as long as the table is.
+    """
+
+    addresses: torch.Tensor  # [E] int64 data_ptr of each view, on the views' device
+    views: tuple[torch.Tensor, ...]
+    shape: tuple[int, int]  # (N, K)
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.views)
+
+
+def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights") -> ExpertWeightTable:
+    """Validate E per-expert views [N, K] and collect their base addresses.
+
+    Every view must be a contiguous 2-D tensor of the same shape, dtype and device, starting on
+    a 16-byte boundary (vectorised loads). Raises ValueError naming `name[e]` otherwise.
+    """
+    if isinstance(weights, torch.Tensor):
+        raise ValueError(f"{name} must be a sequence of E views [N, K], got one tensor of shape {tuple(weights.shape)}")
+    views = tuple(weights)
+    if not views:
+        raise ValueError(f"{name} is empty: expected one [N, K] view per expert")
+    first = views[0]
+    for e, w in enumerate(views):
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"{name}[{e}] must be a torch.Tensor, got {type(w).__name__}")
+        if w.dim() != 2:
+            raise ValueError(f"{name}[{e}] must be 2-D [N, K], got shape {tuple(w.shape)}")
+        if w.shape != first.shape:
+            raise ValueError(f"{name}[{e}] has shape {tuple(w.shape)}, expected {tuple(first.shape)} like {name}[0]")
+        if w.dtype not in _DTYPES:
+            raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected one of {_DTYPES}")
+        if w.dtype != first.dtype:
+            raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected {first.dtype} like {name}[0]")
+        if w.device != first.device:
+            raise ValueError(f"{name}[{e}] is on {w.device}, expected {first.device} like {name}[0]")
+        if not w.is_contiguous():
+            raise ValueError(f"{name}[{e}] must be contiguous, got strides {w.stride()}")
+        if w.data_ptr() % _ALIGN_BYTES:
+            raise ValueError(f"{name}[{e}] starts at address {w.data_ptr():#x}, not {_ALIGN_BYTES}-byte aligned")
+    addresses = torch.tensor([w.data_ptr() for w in views], dtype=torch.int64)  # [E]
+    if first.device.type != "cpu":
+        addresses = addresses.to(first.device, non_blocking=True)
+    return ExpertWeightTable(addresses, views, (first.shape[0], first.shape[1]), first.dtype, first.device)
+
+
+def _as_table(weights: Sequence[torch.Tensor] | ExpertWeightTable, name: str) -> ExpertWeightTable:
+    return weights if isinstance(weights, ExpertWeightTable) else expert_weight_table(weights, name=name)
+
+
+def _tile_count(n: int, block: int) -> int:
+    return (n + block - 1) // block
+
+
+def local_first_split(
+    expert_offsets: torch.Tensor | Sequence[int],
+    split_at: int,
+    *,
+    n_tiles: Sequence[int],
+    block_m: int,
+    wave_size: int,
+) -> int:
+    """Host mirror of the kernel's local-first split (reads the offsets, so it syncs on CUDA).
+
+    Returns the number s <= split_at of leading experts that `part="first"` computes: the largest
+    s such that, for every GEMM whose n-tile count is listed in `n_tiles`, the first launch (tiles
+    of experts [0, s)) and the second (the rest) together need no more waves of `wave_size`
+    programs than one launch over all experts.
+    """
+    offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
+    num_experts = len(offsets) - 1
+    m_tiles = [_tile_count(max(offsets[e + 1] - offsets[e], 0), block_m) for e in range(num_experts)]
+    prefix = [0]
+    for count in m_tiles:
+        prefix.append(prefix[-1] + count)
+    best = 0
+    for s in range(min(split_at, num_experts) + 1):
+        fits = True
+        for n in n_tiles:
+            head, tail = prefix[s] * n % wave_size, (prefix[-1] - prefix[s]) * n % wave_size
+            fits &= head == 0 or tail == 0 or head + tail <= wave_size
+        if fits:
+            best = s
+    return best
+
+
+if triton is not None:
+
+    @triton.jit
+    def _grouped_gemm_kernel(
+        a_ptr,  # [rows of A, K] activations: the sorted rows, or token rows gathered through slots
+        w_table_ptr,  # [E] int64 base address of each expert's [N, K] weight view
+        offsets_ptr,  # [E + 1] int32/int64 first sorted row of each expert, then T
+        slots_ptr,  # [T] int64 slot (token * top_k + j) of each sorted row, read when HAS_SLOTS
+        scale_ptr,  # [T] (or [slots]) per-row scale, indexed by slot when HAS_SLOTS, read when HAS_SCALE
+        out_ptr,  # [rows of out, N_OUT] output: sorted rows, slots, or tokens (ATOMIC_OUT)
+        num_experts,  # E
+        N_OUT,  # output features
+        K,  # input features
+        top_k,  # slot // top_k is the token row of a slot
+        split_at,  # experts [0, split_at) may run in the first part
+        n_tiles_partner,  # n-tiles of a second GEMM that must split at the same expert (own count when alone)
+        wave_size,  # W: programs one wave runs
+        stride_am, stride_ak,  # A strides
+        stride_wn, stride_wk,  # strides of every expert's weight view
+        stride_om, stride_on,  # output strides
+        PART: tl.constexpr,  # 0 all experts, 1 first (local prefix), 2 second (the rest)
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        BLOCK_E: tl.constexpr,  # power of two > E: one lane per expert plus the "all experts" prefix
+        HAS_SLOTS: tl.constexpr,
+        GATHER_A: tl.constexpr,  # A row of sorted row m is slots[m] // top_k
+        HAS_SCALE: tl.constexpr,
+        SCATTER_OUT: tl.constexpr,  # output row of sorted row m is slots[m] (or its token with ATOMIC_OUT)
+        ATOMIC_OUT: tl.constexpr,  # accumulate into token rows with atomics (fp32 output)
+        SWIGLU: tl.constexpr,  # weight rows [0, N_OUT) gate, [N_OUT, 2 N_OUT) up; out = silu(gate) * up
+        FP32_DOT: tl.constexpr,  # upcast tiles and use IEEE fp32 dots
+    ):
+        pid = tl.program_id(0)
+        num_programs = tl.num_programs(0)
+        n_tiles = tl.cdiv(N_OUT, BLOCK_N)
+
+        # Tile schedule of all experts, recomputed by every program from the offsets on device.
+        experts = tl.arange(0, BLOCK_E)  # [BLOCK_E]
+        is_expert = experts < num_experts
+        row_lo = tl.load(offsets_ptr + experts, mask=is_expert, other=0).to(tl.int32)  # [BLOCK_E]
+        row_hi = tl.load(offsets_ptr + experts + 1, mask=is_expert, other=0).to(tl.int32)  # [BLOCK_E]
+        m_tiles = (tl.maximum(row_hi - row_lo, 0) + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E]
+        m_tiles_end = tl.cumsum(m_tiles, 0)  # [BLOCK_E] inclusive prefix
+        m_tiles_begin = m_tiles_end - m_tiles  # [BLOCK_E] m-tiles before expert e (lane E: all)
+        tile_end = m_tiles_end * n_tiles  # [BLOCK_E]
+        total = tl.sum(m_tiles, 0) * n_tiles
+
+        if PART == 0:
+            begin = total * 0
+            end = total
+        else:
+            # Largest expert prefix s <= split_at whose launches fit the waves of one launch,
+            # for this GEMM and its partner (the fused MoE path splits both GEMMs alike).
+            total_m = tl.sum(m_tiles, 0)
+            head = m_tiles_begin * n_tiles % wave_size
+            tail = (total_m - m_tiles_begin) * n_tiles % wave_size
+            fits = (head == 0) | (tail == 0) | (head + tail <= wave_size)
+            head_p = m_tiles_begin * n_tiles_partner % wave_size
+            tail_p = (total_m - m_tiles_begin) * n_tiles_partner % wave_size
+            fits = fits & ((head_p == 0) | (tail_p == 0) | (head_p + tail_p <= wave_size))
+            fits = fits & (experts <= split_at) & (experts <= num_experts)
+            split = tl.max(tl.where(fits, experts, 0), 0)
+            first_end = tl.sum(tl.where(experts == split, m_tiles_begin, 0), 0) * n_tiles
+            if PART == 1:
+                begin = total * 0
+                end = first_end
+            else:
+                begin = first_end
+                end = total
+
+        for tile in range(begin + pid, end, num_programs):
+            expert = tl.sum((tile_end <= tile).to(tl.int32), 0)
+            is_mine = experts == expert
+            local = tile - tl.sum(tl.where(is_mine, m_tiles_begin, 0), 0) * n_tiles
+            expert_m_tiles = tl.sum(tl.where(is_mine, m_tiles, 0), 0)
+            lo = tl.sum(tl.where(is_mine, row_lo, 0), 0)
+            hi = tl.sum(tl.where(is_mine, row_hi, 0), 0)
+            # m fastest: neighbouring programs share this expert's weight tile through L2.
+            m_tile = local % expert_m_tiles
+            n_tile = local // expert_m_tiles
+
+            rows = lo + m_tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] sorted rows
+            row_mask = rows < hi
+            if HAS_SLOTS:
+                slots = tl.load(slots_ptr + rows, mask=row_mask, other=0).to(tl.int64)  # [BLOCK_M]
+            else:
+                slots = rows.to(tl.int64)
+            if GATHER_A:
+                a_rows = slots // top_k
+            else:
+                a_rows = rows.to(tl.int64)
+            cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            col_mask = cols < N_OUT
+            ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+
+            # Base of this expert's weights, wherever its buffer is; 16-byte alignment checked on host.
+            w_addr = tl.multiple_of(tl.load(w_table_ptr + expert), 16)
+            w_base = w_addr.to(a_ptr.dtype)
+            a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+            w_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            if SWIGLU:
+                up_ptrs = w_ptrs + N_OUT * stride_wn  # up half sits N_OUT rows below the gate half
+                acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k_mask = ks < K - k0
+                a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                if FP32_DOT:
+                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a, w, acc)
+                if SWIGLU:
+                    w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                    if FP32_DOT:
+                        acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
+                    else:
+                        acc_up = tl.dot(a, w_up, acc_up)
+                    up_ptrs += BLOCK_K * stride_wk
+                a_ptrs += BLOCK_K * stride_ak
+                w_ptrs += BLOCK_K * stride_wk
+
+            if SWIGLU:
+                acc = acc * tl.sigmoid(acc) * acc_up
+            if HAS_SCALE:
+                scale = tl.load(scale_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)  # [BLOCK_M]
+                acc = acc * scale[:, None]
+            if SCATTER_OUT:
+                if ATOMIC_OUT:
+                    out_rows = slots // top_k
+                else:
+                    out_rows = slots
+            else:
+                out_rows = rows.to(tl.int64)
+            out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_on
+            out_mask = row_mask[:, None] & col_mask[None, :]
+            if ATOMIC_OUT:
+                tl.atomic_add(out_ptrs, acc, mask=out_mask)
+            else:
+                tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def _require_triton() -> None:
+    if triton is None:
+        raise RuntimeError("the Triton grouped GEMM needs triton; on CPU use dwdp.kernels.grouped_gemm_reference")
+
+
+def is_interpreter() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1 at import time)."""
+    if triton is None:
+        return False
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_grouped_gemm_kernel, InterpretedFunction)
+
+
+def default_wave_size(device: torch.device, config: GroupedGemmConfig) -> int:
+    """Programs of one wave: SMs x programs_per_sm on CUDA, a small fixed count in the interpreter."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count * config.programs_per_sm
+    return _INTERPRETER_WAVE_SIZE
+
+
+def _check_device(device: torch.device, name: str) -> None:
+    if device.type == "cuda":
+        return
+    if device.type == "cpu" and is_interpreter():
+        return
+    raise ValueError(
+        f"{name} is on {device}: the Triton kernel runs on CUDA (or on CPU under TRITON_INTERPRET=1); "
+        "use dwdp.kernels.grouped_gemm_reference on CPU"
+    )
+
+
+def _check_offsets(expert_offsets: torch.Tensor, num_experts: int, num_rows: int, device: torch.device) -> None:
+    if not isinstance(expert_offsets, torch.Tensor):
+        raise ValueError(f"expert_offsets must be a tensor, got {type(expert_offsets).__name__}")
+    if expert_offsets.dtype not in _OFFSET_DTYPES:
+        raise ValueError(f"expert_offsets has dtype {expert_offsets.dtype}, expected int32 or int64")
+    if expert_offsets.shape != (num_experts + 1,):
+        raise ValueError(f"expert_offsets has shape {tuple(expert_offsets.shape)}, expected ({num_experts + 1},) = E + 1")
+    if expert_offsets.device != device:
+        raise ValueError(f"expert_offsets is on {expert_offsets.device}, expected {device}")
+    if not expert_offsets.is_contiguous():
+        raise ValueError(f"expert_offsets must be contiguous, got stride {expert_offsets.stride()}")
+    if device.type == "cpu":  # reading values on CUDA would sync the host, so they are checked here only
+        values = expert_offsets.tolist()
+        if values[0] != 0 or values[-1] > num_rows or any(b < a for a, b in zip(values, values[1:])):
+            raise ValueError(f"expert_offsets={values} must rise from 0 to at most T={num_rows}")
+
+
+def _check_split(split_at: int | None, part: str, num_experts: int, wave_size: int) -> int:
+    if part not in _PARTS:
+        raise ValueError(f"part={part!r} must be one of {tuple(_PARTS)}")
+    if split_at is None:
+        if part != "all":
+            raise ValueError(f"part={part!r} needs split_at (number of local experts)")
+        return 0
+    if not 0 <= split_at <= num_experts:
+        raise ValueError(f"split_at={split_at} must be in [0, E={num_experts}]")
+    if wave_size < 1:
+        raise ValueError(f"wave_size={wave_size} must be >= 1")
+    return split_at
+
+
+def _launch(
+    a: torch.Tensor,  # [rows of A, K]
+    expert_offsets: torch.Tensor,  # [E + 1]
+    table: ExpertWeightTable,
+    out: torch.Tensor,  # [rows of out, N_OUT]
+    *,
+    num_rows: int,  # T: sorted rows covered by the offsets
+    slots: torch.Tensor | None,  # [T] int64
+    scale: torch.Tensor | None,
+    gather_a: bool,
+    scatter_out: bool,
+    atomic_out: bool,
+    swiglu: bool,
+    top_k: int,
+    split_at: int,
+    n_tiles_partner: int | None,
+    part: str,
+    wave_size: int,
+    config: GroupedGemmConfig,
+) -> None:
+    """Launch the kernel on validated arguments (shared by grouped_gemm and the fused MoE path)."""
+    n_out = out.shape[1]
+    n_tiles = _tile_count(n_out, config.block_n)
+    max_tiles = (_tile_count(num_rows, config.block_m) + table.num_experts) * n_tiles
+    grid = (max(1, min(wave_size, max_tiles)),)
+    fp32_dot = is_interpreter() or a.dtype == torch.float32
+    dummy = expert_offsets  # never read when the matching flag is off
+    _grouped_gemm_kernel[grid](
+        a, table.addresses, expert_offsets,
+        slots if slots is not None else dummy,
+        scale if scale is not None else dummy,
+        out,
+        table.num_experts, n_out, a.shape[1], top_k, split_at,
+        n_tiles if n_tiles_partner is None else n_tiles_partner,
+        wave_size,
+        a.stride(0), a.stride(1),
+        table.shape[1], 1,
+        out.stride(0), out.stride(1),
+        PART=_PARTS[part],
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_E=triton.next_power_of_2(table.num_experts + 1),
+        HAS_SLOTS=slots is not None, GATHER_A=gather_a, HAS_SCALE=scale is not None,
+        SCATTER_OUT=scatter_out, ATOMIC_OUT=atomic_out, SWIGLU=swiglu, FP32_DOT=fp32_dot,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+
+
+def grouped_gemm(
+    x_sorted: torch.Tensor,
+    expert_offsets: torch.Tensor,
+    weights: Sequence[torch.Tensor] | ExpertWeightTable,
+    *,
+    activation: Literal["swiglu"] | None = None,
+    row_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_at: int | None = None,
+    part: Literal["all", "first", "second"] = "all",
+    wave_size: int | None = None,
+    config: GroupedGemmConfig | None = None,
+) -> torch.Tensor:
+    """out[rows of e] = epilogue(x_sorted[rows of e] @ weights[e].T) for each expert e, one launch.
+
+    x_sorted: [T, K] bf16/fp16/fp32, contiguous, rows grouped by expert in table order.
+    expert_offsets: [E + 1] int32 or int64 on x's device; expert e owns rows
+        [offsets[e], offsets[e + 1]). Values are checked on CPU only (on CUDA it would sync).
+    weights: E contiguous views [N, K] of x's dtype, in any number of distinct buffers, or an
+        `ExpertWeightTable` built once from them. Read in place, never concatenated.
+    activation: "swiglu" treats each weight as [gate; up] (N = 2 * N_OUT) and returns
+        silu(x @ gate.T) * (x @ up.T); None returns x @ w.T (N_OUT = N).
+    row_scale: optional [T] per-row factor applied in fp32 after the activation.
+    out: optional [T, N_OUT] output of x's dtype; rows past offsets[E] and, with part set, rows
+        of the other part are left untouched.
+    split_at, part: local-first scheduling. Experts [0, split_at) are local; "first" computes the
+        wave-aligned local prefix (see `local_first_split`), "second" everything else.
+    wave_size: programs of the persistent grid (default: SMs x config.programs_per_sm).
+    Returns out [T, N_OUT] in x's dtype; accumulation is fp32.
+    """
+    _require_triton()
+    config = config or GroupedGemmConfig()
+    table = _as_table(weights, "weights")
+    if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
+        raise ValueError(f"x_sorted must be a 2-D tensor [T, K], got {getattr(x_sorted, 'shape', type(x_sorted))}")
+    if x_sorted.dtype not in _DTYPES:
+        raise ValueError(f"x_sorted has dtype {x_sorted.dtype}, expected one of {_DTYPES}")
+    if not x_sorted.is_contiguous():
+        raise ValueError(f"x_sorted must be contiguous, got strides {x_sorted.stride()}")
+    if x_sorted.data_ptr() % _ALIGN_BYTES:
+        raise ValueError(f"x_sorted starts at address {x_sorted.data_ptr():#x}, not {_ALIGN_BYTES}-byte aligned")
+    _check_device(x_sorted.device, "x_sorted")
+    num_rows, k = x_sorted.shape
+    n, k_w = table.shape
+    if k_w != k:
+        raise ValueError(f"weights have K={k_w} but x_sorted has K={k} (shape {tuple(x_sorted.shape)})")
+    if table.dtype != x_sorted.dtype:
+        raise ValueError(f"weights have dtype {table.dtype} but x_sorted has {x_sorted.dtype}")
+    if table.device != x_sorted.device:
+        raise ValueError(f"weights are on {table.device} but x_sorted is on {x_sorted.device}")
+    _check_offsets(expert_offsets, table.num_experts, num_rows, x_sorted.device)
+    if activation not in (None, "swiglu"):
+        raise ValueError(f"activation={activation!r} must be None or 'swiglu'")
+    if activation == "swiglu" and n % 2:
+        raise ValueError(f"activation='swiglu' needs an even N (gate and up halves), weights have N={n}")
+    n_out = n // 2 if activation == "swiglu" else n
+    if row_scale is not None:
+        if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (num_rows,):
+            raise ValueError(f"row_scale must be a tensor of shape ({num_rows},), got {getattr(row_scale, 'shape', row_scale)}")
+        if not row_scale.is_floating_point() or row_scale.device != x_sorted.device or not row_scale.is_contiguous():
+            raise ValueError(f"row_scale must be a contiguous float tensor on {x_sorted.device}, got {row_scale.dtype} on {row_scale.device}")
+    if out is None:
+        out = x_sorted.new_empty(num_rows, n_out)  # [T, N_OUT]
+    elif out.shape != (num_rows, n_out) or out.dtype != x_sorted.dtype or out.device != x_sorted.device:
+        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}, expected ({num_rows}, {n_out}) {x_sorted.dtype} on {x_sorted.device}")
+    config_wave = default_wave_size(x_sorted.device, config) if wave_size is None else wave_size
+    split = _check_split(split_at, part, table.num_experts, config_wave)
+    if num_rows == 0:
+        return out
+    _launch(
+        x_sorted, expert_offsets, table, out,
+        num_rows=num_rows, slots=None, scale=row_scale, gather_a=False, scatter_out=False,
+        atomic_out=False, swiglu=activation == "swiglu", top_k=1, split_at=split,
+        n_tiles_partner=None, part=part, wave_size=config_wave, config=config,
+    )
+    return out

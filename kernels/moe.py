@@ -1,0 +1,150 @@
+"""Fused MoE expert path over multi-buffer weights: sort, gate_up + SwiGLU, down + routing weight.
+
+Legend: T = tokens, k = experts per token, S = T * k token-expert slots (slot = t * k + j),
+H = hidden size, I = expert intermediate size, E = experts in the weight tables.
+
+Two launches of the multi-buffer grouped GEMM, no merge copy and no permute copies:
+  1. gate_up: A rows are gathered from `hidden` through the sorted slots (slot // k), the
+     SwiGLU runs in the epilogue on the fp32 accumulators; h is [S, I] in sorted order.
+  2. down: h @ down_e.T, scaled by the routing weight of each slot in the epilogue, and stored
+     at the slot's own row of an [S, H] buffer (combine="sum"), which a reshape + sum over k
+     brings to token order; or added with fp32 atomics straight into [T, H] (combine="atomic").
+"sum" is the default: deterministic, the same order of additions as transformers'
+grouped_mm path, and the extra [S, H] round trip is small next to the two GEMMs (bench/
+grouped_gemm.py measures both on GPU). "atomic" saves that round trip and the [S, H] buffer
+but the summation order varies from run to run.
+
+The sort and the expert offsets are computed with torch.sort and torch.searchsorted on the
+device: no host sync anywhere on CUDA.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal
+
+import torch
+
+from .grouped_gemm import (
+    ExpertWeightTable,
+    GroupedGemmConfig,
+    _as_table,
+    _check_device,
+    _check_split,
+    _launch,
+    _require_triton,
+    _tile_count,
+    default_wave_size,
+)
+
+
+def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group the S = T * k token-expert slots by expert, on device without host syncs.
+
+    top_k_index: [T, k] integer expert ids in [0, E).
+    Returns (slots [S] int64: slot t * k + j of each sorted row, expert_offsets [E + 1] int64).
+    The sort is stable, so within an expert the slots keep token order.
+    """
+    flat = top_k_index.reshape(-1)  # [S]
+    sorted_ids, slots = torch.sort(flat, stable=True)  # [S], [S]
+    bounds = torch.arange(num_experts + 1, device=flat.device, dtype=sorted_ids.dtype)  # [E + 1]
+    expert_offsets = torch.searchsorted(sorted_ids, bounds)  # [E + 1] first row of each expert
+    return slots, expert_offsets
+
+
+def moe_experts(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up: Sequence[torch.Tensor] | ExpertWeightTable,
+    down: Sequence[torch.Tensor] | ExpertWeightTable,
+    *,
+    combine: Literal["sum", "atomic"] = "sum",
+    split_at: int | None = None,
+    on_local_done: Callable[[], None] | None = None,
+    wave_size: int | None = None,
+    config: GroupedGemmConfig | None = None,
+) -> torch.Tensor:
+    """The experts part of one MoE layer: out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t).
+
+    hidden: [T, H] bf16/fp16/fp32, contiguous. top_k_index: [T, k] integer ids in [0, E) (values
+        are checked on CPU only). top_k_weights: [T, k] float routing weights.
+    gate_up: E views [2I, H] ([gate; up] halves) or their ExpertWeightTable; down: E views [H, I].
+        The views may sit in any number of buffers (local parameter, prefetch slots).
+    combine: "sum" (deterministic, [S, H] buffer reduced over k) or "atomic" (fp32 atomics).
+    split_at: local-first scheduling with experts [0, split_at) local: both GEMMs first run the
+        wave-aligned local prefix, then `on_local_done()` is called (e.g. make the compute stream
+        wait for the prefetch), then both GEMMs run the remaining experts.
+    Returns [T, H] in hidden's dtype.
+    """
+    _require_triton()
+    config = config or GroupedGemmConfig()
+    gate_up_table = _as_table(gate_up, "gate_up")
+    down_table = _as_table(down, "down")
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
+        raise ValueError(f"hidden must be a 2-D tensor [T, H], got {getattr(hidden, 'shape', type(hidden))}")
+    if not hidden.is_contiguous():
+        raise ValueError(f"hidden must be contiguous, got strides {hidden.stride()}")
+    _check_device(hidden.device, "hidden")
+    num_tokens, hidden_dim = hidden.shape
+    num_experts = gate_up_table.num_experts
+    two_i, h_gate_up = gate_up_table.shape
+    if two_i % 2:
+        raise ValueError(f"gate_up views have {two_i} rows, expected 2I (gate and up halves)")
+    inter = two_i // 2
+    if h_gate_up != hidden_dim:
+        raise ValueError(f"gate_up views are [{two_i}, {h_gate_up}] but hidden has H={hidden_dim}")
+    if down_table.num_experts != num_experts:
+        raise ValueError(f"down has {down_table.num_experts} experts but gate_up has {num_experts}")
+    if down_table.shape != (hidden_dim, inter):
+        raise ValueError(f"down views are {list(down_table.shape)}, expected [H, I] = [{hidden_dim}, {inter}]")
+    for name, table in (("gate_up", gate_up_table), ("down", down_table)):
+        if table.dtype != hidden.dtype or table.device != hidden.device:
+            raise ValueError(f"{name} is {table.dtype} on {table.device}, expected {hidden.dtype} on {hidden.device} like hidden")
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != num_tokens or top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"top_k_index must be int32/int64 [T={num_tokens}, k], got {top_k_index.dtype} {tuple(top_k_index.shape)}")
+    if top_k_index.device != hidden.device:
+        raise ValueError(f"top_k_index is on {top_k_index.device}, expected {hidden.device}")
+    if top_k_weights.shape != top_k_index.shape or not top_k_weights.is_floating_point() or top_k_weights.device != hidden.device:
+        raise ValueError(f"top_k_weights must be a float tensor {tuple(top_k_index.shape)} on {hidden.device}, got {top_k_weights.dtype} {tuple(top_k_weights.shape)} on {top_k_weights.device}")
+    if combine not in ("sum", "atomic"):
+        raise ValueError(f"combine={combine!r} must be 'sum' or 'atomic'")
+    if hidden.device.type == "cpu" and top_k_index.numel():  # a range check on CUDA would sync
+        low, high = int(top_k_index.min()), int(top_k_index.max())
+        if low < 0 or high >= num_experts:
+            raise ValueError(f"top_k_index values span [{low}, {high}], expected [0, {num_experts})")
+    wave = default_wave_size(hidden.device, config) if wave_size is None else wave_size
+    split = _check_split(split_at, "all" if split_at is None else "first", num_experts, wave)
+
+    top_k = top_k_index.shape[1]
+    num_slots = num_tokens * top_k
+    if num_slots == 0:
+        return hidden.new_zeros(num_tokens, hidden_dim)
+    slots, expert_offsets = sort_by_expert(top_k_index, num_experts)  # [S], [E + 1]
+    slot_weights = top_k_weights.reshape(-1).contiguous()  # [S], indexed by slot in the kernel
+    h = hidden.new_empty(num_slots, inter)  # [S, I] sorted rows
+    if combine == "sum":
+        out = hidden.new_empty(num_slots, hidden_dim)  # [S, H] slot rows
+    else:
+        out = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden.device)  # [T, H]
+    gate_up_n_tiles = _tile_count(inter, config.block_n)
+    down_n_tiles = _tile_count(hidden_dim, config.block_n)
+
+    parts = ("all",) if split_at is None else ("first", "second")
+    for part in parts:
+        if part == "second" and on_local_done is not None:
+            on_local_done()
+        _launch(
+            hidden, expert_offsets, gate_up_table, h,
+            num_rows=num_slots, slots=slots, scale=None, gather_a=True, scatter_out=False,
+            atomic_out=False, swiglu=True, top_k=top_k, split_at=split,
+            n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
+        )
+        _launch(
+            h, expert_offsets, down_table, out,
+            num_rows=num_slots, slots=slots, scale=slot_weights, gather_a=False, scatter_out=True,
+            atomic_out=combine == "atomic", swiglu=False, top_k=top_k, split_at=split,
+            n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
+        )
+    if combine == "sum":
+        return out.view(num_tokens, top_k, hidden_dim).sum(dim=1)  # [T, H]
+    return out.to(hidden.dtype)
