@@ -161,7 +161,7 @@ def local_first_split(
         fits = True
         for n in n_tiles:
             head, tail = prefix[s] * n % wave_size, (prefix[-1] - prefix[s]) * n % wave_size
-            fits &= head == 0 or tail == 0 or head + tail <= wave_size
+            fits &= head == 0 or tail == 0 or head + tail > wave_size
         if fits:
             best = s
     return best
@@ -219,15 +219,16 @@ if triton is not None:
             begin = total * 0
             end = total
         else:
-            # Largest expert prefix s <= split_at whose launches fit the waves of one launch,
-            # for this GEMM and its partner (the fused MoE path splits both GEMMs alike).
+            # Largest expert prefix s <= split_at whose launches fit the waves of one launch, for
+            # this GEMM and its partner (the fused MoE path splits both GEMMs alike): two partial
+            # waves cost one extra wave unless together they overflow a single wave anyway.
             total_m = tl.sum(m_tiles, 0)
             head = m_tiles_begin * n_tiles % wave_size
             tail = (total_m - m_tiles_begin) * n_tiles % wave_size
-            fits = (head == 0) | (tail == 0) | (head + tail <= wave_size)
+            fits = (head == 0) | (tail == 0) | (head + tail > wave_size)
             head_p = m_tiles_begin * n_tiles_partner % wave_size
             tail_p = (total_m - m_tiles_begin) * n_tiles_partner % wave_size
-            fits = fits & ((head_p == 0) | (tail_p == 0) | (head_p + tail_p <= wave_size))
+            fits = fits & ((head_p == 0) | (tail_p == 0) | (head_p + tail_p > wave_size))
             fits = fits & (experts <= split_at) & (experts <= num_experts)
             split = tl.max(tl.where(fits, experts, 0), 0)
             first_end = tl.sum(tl.where(experts == split, m_tiles_begin, 0), 0) * n_tiles
