@@ -81,9 +81,10 @@ def dwdp_experts_forward(
         _run_experts(self, x_sorted, offsets, tables, runtime.num_local, num_experts, out_sorted)
     finally:
         prefetcher.release(slot)
-    out_sorted.mul_(top_k_weights.reshape(-1)[perm].unsqueeze(-1).to(out_sorted.dtype))
-    out = torch.empty_like(out_sorted)                                       # [S, H] in token order
-    out[perm] = out_sorted
+    # Routing weights keep their own dtype (often fp32), so the weighted sum is not rounded to bf16.
+    weighted = out_sorted * top_k_weights.reshape(-1)[perm].unsqueeze(-1)   # [S, H]
+    out = torch.empty_like(weighted)                                         # [S, H] in token order
+    out[perm] = weighted
     return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
 

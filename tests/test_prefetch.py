@@ -1,0 +1,105 @@
+"""Prefetch slots with two host ranks in one process (the copier threads are real)."""
+import pytest
+import torch
+
+from dwdp.placement import build_placement
+from dwdp.plan import PlanCache, SegmentLayout, slot_layout
+from dwdp.prefetch import Prefetcher
+from dwdp.transport import HostTransport, PrefetchTimeout
+from dwdp.transport.reference import execute_plan_reference
+
+TENSOR_NBYTES = (3000, 1500)
+NUM_LAYERS = 3
+
+
+@pytest.fixture
+def pair(tmp_path):
+    """Rank 0's prefetcher over a 2-rank group whose segments hold seeded random bytes."""
+    placement = build_placement(6, 2)
+    seg_layout = SegmentLayout(NUM_LAYERS, placement.num_local_experts, TENSOR_NBYTES)
+    transports, segments = [], []
+    for rank in range(2):
+        t = HostTransport(rank, inflight=2, shm_dir=str(tmp_path))
+        seg = t.alloc_segment(seg_layout.total_nbytes)
+        seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(rank)))
+        transports.append(t)
+        segments.append(seg)
+    handles = [t.register() for t in transports]
+    for t in transports:
+        t.open(handles)
+    for t in transports:
+        t.seal()
+    nbytes = slot_layout(placement, 0, TENSOR_NBYTES).total_nbytes
+    buffers = [transports[0].alloc_slot(nbytes) for _ in range(2)]
+    plans = PlanCache(placement, 0, seg_layout, slice_bytes=700)
+    prefetcher = Prefetcher(transports[0], plans, buffers, NUM_LAYERS, timeout_s=10.0)
+
+    def expected(layer):
+        return execute_plan_reference(plans.get(layer, 0), segments, torch.zeros(nbytes, dtype=torch.uint8))
+
+    yield prefetcher, buffers, expected
+    for t in transports:
+        t.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_layers_cycle_through_slots(pair):
+    prefetcher, buffers, expected = pair
+    for visit in range(2 * NUM_LAYERS):
+        layer = visit % NUM_LAYERS
+        slot = prefetcher.begin(layer)
+        assert slot == visit % 2
+        prefetcher.wait(layer, slot)
+        assert torch.equal(buffers[slot], expected(layer)), f"layer {layer} slot {slot}"
+        prefetcher.release(slot)
+    assert prefetcher.stats.waits == 2 * NUM_LAYERS
+    assert prefetcher.stats.bytes_copied == prefetcher.stats.plans_issued * prefetcher.plans.get(0, 0).nbytes
+
+
+def test_slot_not_overwritten_while_a_slow_consumer_reads(pair):
+    prefetcher, buffers, expected = pair
+    s0 = prefetcher.begin(0)
+    prefetcher.wait(0, s0)
+    # The consumer of layer 0 is still reading slot 0 (it has not released it) ...
+    s1 = prefetcher.begin(1)  # ... while entering layer 1 asks for layer 2 to go into slot 0.
+    prefetcher.wait(1, s1)
+    prefetcher.drain()  # every copy that was allowed to start has finished
+    assert s0 == 0 and s1 == 1
+    assert torch.equal(buffers[0], expected(0)), "slot 0 was overwritten under its reader"
+    prefetcher.release(s0)  # the deferred copy of layer 2 starts now
+    prefetcher.release(s1)
+    s2 = prefetcher.begin(2)
+    assert s2 == 0
+    prefetcher.wait(2, s2)
+    assert torch.equal(buffers[0], expected(2))
+    prefetcher.release(s2)
+
+
+def test_wait_on_a_held_slot_times_out_naming_layer_and_slot(pair):
+    prefetcher, _, _ = pair
+    prefetcher.timeout_s = 0.2
+    held = prefetcher.begin(0)
+    prefetcher.wait(0, held)
+    prefetcher.release(prefetcher.begin(1))
+    with pytest.raises(PrefetchTimeout) as err:
+        prefetcher.begin(2)  # slot 0 still held by layer 0's compute
+    assert "layer 2" in str(err.value) and "slot 0" in str(err.value), str(err.value)
+    prefetcher.release(held)
+
+
+def test_start_forward_after_an_aborted_forward_restarts_at_layer_0(pair):
+    prefetcher, buffers, expected = pair
+    slot = prefetcher.begin(0)
+    prefetcher.wait(0, slot)
+    prefetcher.release(slot)  # the forward stops here (an exception in layer 1, say)
+    prefetcher.start_forward()
+    slot = prefetcher.begin(0)
+    prefetcher.wait(0, slot)
+    assert torch.equal(buffers[slot], expected(0))
+    prefetcher.release(slot)
+
+
+def test_release_without_reader_is_an_error(pair):
+    prefetcher, _, _ = pair
+    with pytest.raises(RuntimeError, match="slot 1"):
+        prefetcher.release(1)
