@@ -27,5 +27,11 @@ def wait_timeout_s(default: float) -> float:
     return parsed
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def log_level() -> str:
-    return os.environ.get("DWDP_LOG_LEVEL", "WARNING").upper()
+    value = os.environ.get("DWDP_LOG_LEVEL", "WARNING").upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"DWDP_LOG_LEVEL={value!r} must be one of {LOG_LEVELS}")
+    return value
