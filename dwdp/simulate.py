@@ -87,6 +87,8 @@ class SimResult:
     dep_wait_frac: float  # share of DEP time ranks spend waiting at MoE barriers (mean over ranks)
     dwdp_exposed_frac: float  # share of DWDP time spent waiting for prefetch
     dep_a2a_frac: float  # share of DEP time in all-to-all
+    dwdp_iter_s: float  # mean forward time of one DWDP rank
+    dep_iter_s: float  # mean DEP iteration time (slowest rank, barriers included)
 
     @property
     def speedup(self) -> float:
@@ -182,4 +184,6 @@ def simulate_tokens(spec, hw, workload, deploy, tokens: np.ndarray, curve: Expos
         dep_wait_frac=float(waited.sum() / (n * dep_total)),
         dwdp_exposed_frac=float(exposed.sum() / dwdp_time.sum()),
         dep_a2a_frac=float(2 * t_a2a.sum() * spec.num_moe_layers / dep_total),
+        dwdp_iter_s=float(dwdp_time.mean()),
+        dep_iter_s=float(dep_time.mean()),
     )
