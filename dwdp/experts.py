@@ -34,6 +34,7 @@ class LayerRuntime:
     layer: int
     num_local: int
     position: torch.Tensor           # [E] int64: table position of each expert id
+    table_order: tuple[int, ...]     # expert id at each table position (inverse of position)
     tables: list[LayerTables]        # one per prefetch slot
     prefetcher: object               # dwdp.prefetch.Prefetcher
 
@@ -77,8 +78,13 @@ def dwdp_experts_forward(
         tables = runtime.tables[slot]
         # Local experts never move: compute them while remote copies are still landing.
         _run_experts(self, x_sorted, offsets, tables, 0, runtime.num_local, out_sorted)
+        # Then each remote expert as soon as its own slices have arrived.
+        for pos in range(runtime.num_local, num_experts):
+            if offsets[pos + 1] > offsets[pos]:
+                prefetcher.wait(runtime.layer, slot, (runtime.table_order[pos],))
+                _run_experts(self, x_sorted, offsets, tables, pos, pos + 1, out_sorted)
+        # The slot may be refilled only after every copy into it has landed.
         prefetcher.wait(runtime.layer, slot)
-        _run_experts(self, x_sorted, offsets, tables, runtime.num_local, num_experts, out_sorted)
     finally:
         prefetcher.release(slot)
     # Routing weights keep their own dtype (often fp32), so the weighted sum is not rounded to bf16.

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,6 +46,17 @@ class MemoryReport:
         return self.full_expert_bytes - self.resident_expert_bytes
 
 
+ExpertSource = Callable[[str, int, torch.Tensor], torch.Tensor]
+"""(experts module name, tensor index (0 gate_up, 1 down), local expert ids [L]) -> [L, ...] weights."""
+
+
+def _stacked_source(adapter, modules: dict) -> ExpertSource:
+    def read(name: str, tensor: int, local_ids: torch.Tensor) -> torch.Tensor:
+        return adapter.expert_tensors(modules[name])[tensor].detach()[local_ids]
+
+    return read
+
+
 def _dense_bytes(model: torch.nn.Module, skip: set[int]) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors if id(t) not in skip)
@@ -57,9 +69,19 @@ class DWDPModel(torch.nn.Module):
         CPU for the host backend; it is modified in place (its non-local experts are freed).
     config: DWDPConfig; group_size None means the whole DWDP group passed in `group`.
     group: DWDPGroup; None joins the env:// world (torchrun) or, without one, a one-rank group.
+    expert_source: where this rank's local experts come from; None reads them from the model's
+        stacked parameters. A loader passes one that reads only local experts from a checkpoint,
+        so a model whose experts are still on the meta device never materialises the others.
     """
 
-    def __init__(self, model: torch.nn.Module, config: DWDPConfig | None = None, group: DWDPGroup | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: DWDPConfig | None = None,
+        group: DWDPGroup | None = None,
+        *,
+        expert_source: ExpertSource | None = None,
+    ):
         super().__init__()
         config = config or DWDPConfig()
         adapter, experts = find_experts(model)  # validates the model before any collective
@@ -79,7 +101,8 @@ class DWDPModel(torch.nn.Module):
                     f"expected {num_experts} of {shapes} ({dtype}) like {experts[0][0]}"
                 )
         placement = build_placement(num_experts, group.size, config.num_local_experts)
-        backend = resolve_backend(config.backend, first.gate_up_proj.device)
+        device = first.gate_up_proj.device
+        backend = resolve_backend(config.backend, torch.device("cpu") if device.type == "meta" else device)
         timeout_s = envs.wait_timeout_s(config.wait_timeout_s)
 
         self.model = model
@@ -101,13 +124,20 @@ class DWDPModel(torch.nn.Module):
         try:
             segment = transport.alloc_segment(segment_layout.total_nbytes)
             local_ids = torch.tensor(placement.local_experts(group.rank))
-            for layer, (_, module) in enumerate(experts):
+            source = expert_source or _stacked_source(adapter, dict(experts))
+            for layer, (name, module) in enumerate(experts):
                 local = []
-                for t, (stacked, shape) in enumerate(zip(adapter.expert_tensors(module), shapes)):
+                for t, shape in enumerate(shapes):
                     start = segment_layout.tensor_offset(layer, t)
                     view = segment[start : start + placement.num_local_experts * tensor_nbytes[t]]
                     view = view.view(dtype).view(placement.num_local_experts, *shape)  # [L, ...]
-                    view.copy_(stacked.detach()[local_ids])
+                    src = source(name, t, local_ids)
+                    if tuple(src.shape) != tuple(view.shape):
+                        raise ValueError(
+                            f"{name}: expert source gave tensor {t} of shape {tuple(src.shape)}, "
+                            f"expected {tuple(view.shape)}"
+                        )
+                    view.copy_(src)
                     local.append(view)
                 # Dropping the stacked [E, ...] parameters frees the non-local experts.
                 adapter.replace_tensors(module, tuple(local))
@@ -129,7 +159,9 @@ class DWDPModel(torch.nn.Module):
         position[torch.tensor(table_order)] = torch.arange(num_experts)
         for layer, module in enumerate(self.experts_modules):
             tables = [self._layer_tables(module, slots, buf, shapes, dtype) for buf in slot_buffers]
-            module._dwdp_runtime = LayerRuntime(layer, placement.num_local_experts, position, tables, self.prefetcher)
+            module._dwdp_runtime = LayerRuntime(
+                layer, placement.num_local_experts, position, tuple(table_order), tables, self.prefetcher
+            )
 
         register_experts_implementation()
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)

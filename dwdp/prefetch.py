@@ -97,12 +97,16 @@ class Prefetcher:
                 self.stats.slot_hits += 1
         return slot_index
 
-    def wait(self, layer: int, slot_index: int) -> float:
-        """Block until `layer`'s experts have landed in `slot_index`; returns the seconds waited."""
+    def wait(self, layer: int, slot_index: int, experts=None) -> float:
+        """Block until `layer`'s experts (all, or just `experts`) have landed in `slot_index`;
+        returns the seconds waited."""
         slot = self.slots[slot_index]
         if slot.layer != layer or slot.ticket is None:
             raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
-        waited = slot.ticket.wait(self.timeout_s)
+        if experts is None:
+            waited = slot.ticket.wait(self.timeout_s)
+        else:
+            waited = slot.ticket.wait_experts(experts, self.timeout_s)
         with self._cond:
             self.stats.wait_s += waited
             self.stats.waits += 1
@@ -111,8 +115,15 @@ class Prefetcher:
 
     def release(self, slot_index: int) -> None:
         """Compute no longer reads `slot_index`; a deferred copy into it may start."""
+        slot = self.slots[slot_index]
+        ticket = slot.ticket
+        if ticket is not None and slot.readers == 1 and ticket.finished_ns is None:
+            # A reader that stopped early (an exception) must not let a new copy race the old one.
+            try:
+                ticket.wait(self.timeout_s)
+            except (RuntimeError, TimeoutError):
+                pass  # reported to whoever waits on this layer; the slot is re-filled on next use
         with self._cond:
-            slot = self.slots[slot_index]
             if slot.readers <= 0:
                 raise RuntimeError(f"release of slot {slot_index} that no compute holds")
             slot.readers -= 1
