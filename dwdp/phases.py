@@ -2,6 +2,7 @@
 
 Changing a name here changes it everywhere; the trace readers match on these strings.
 """
+FORWARD = "dwdp/forward"
 ATTENTION = "dwdp/attention"
 ROUTER = "dwdp/router"
 MOE_COMPUTE = "dwdp/moe_compute"
@@ -9,4 +10,4 @@ PREFETCH_ISSUE = "dwdp/prefetch_issue"
 PREFETCH_WAIT = "dwdp/prefetch_wait"
 COPY_SLICE = "dwdp/copy_slice"
 
-ALL = (ATTENTION, ROUTER, MOE_COMPUTE, PREFETCH_ISSUE, PREFETCH_WAIT, COPY_SLICE)
+ALL = (FORWARD, ATTENTION, ROUTER, MOE_COMPUTE, PREFETCH_ISSUE, PREFETCH_WAIT, COPY_SLICE)
