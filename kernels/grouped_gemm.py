@@ -57,7 +57,7 @@ class GroupedGemmConfig:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    programs_per_sm: int = 2  # persistent programs per SM: the wave size is num_sms * programs_per_sm
+    programs_per_sm: int = 1  # persistent programs per SM: the wave size is num_sms * programs_per_sm
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -265,8 +265,7 @@ if triton is not None:
             ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
             # Base of this expert's weights, wherever its buffer is; 16-byte alignment checked on host.
-            w_addr = tl.multiple_of(tl.load(w_table_ptr + expert), 16)
-            w_base = w_addr.to(a_ptr.dtype)
+            w_base = tl.multiple_of(tl.load(w_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
             w_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

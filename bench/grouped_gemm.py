@@ -1,0 +1,300 @@
+"""Multi-buffer grouped GEMM vs contiguous / merge-copy / per-expert loop, on MoE shapes.
+
+Legend: T = tokens, k = experts per token, M = T * k sorted rows, H = hidden, I = expert
+intermediate size, E = experts, L = local experts, B = weight buffers (1 local + B - 1 peers).
+
+Two sections per model:
+  gemm: the gate_up GEMM (x [M, H] @ w_e.T, w_e [2I, H]) over weights in B buffers:
+    multi-buffer          the kernel reads each expert where it lives (address table)
+    contiguous            the same kernel, every expert in one [E, 2I, H] tensor
+    merge + grouped_mm    copy the B buffers into one [E, 2I, H] tensor, then F.grouped_mm
+    grouped_mm (no copy)  F.grouped_mm on the contiguous tensor: the merge copy's share
+    loop torch.mm         one torch.mm per expert (host offsets, computed outside the timing)
+    local-first           two launches (experts [0, L) wave-aligned first, then the rest)
+  moe: the whole experts path (sort, gate_up + SwiGLU, down + routing weight, back to tokens):
+    fused (sum) / fused (atomic) / fused local-first   dwdp.kernels.moe_experts
+    merge + grouped_mm    transformers' grouped_mm path after a merge copy of both weights
+On CUDA the "kernel" rows run the Triton kernel; on CPU they run the plain-PyTorch reference
+(the Triton kernel only runs on CPU in the interpreter, which says nothing about speed), and
+the CPU shapes are scaled down so the run takes well under a minute.
+
+Run: python bench/grouped_gemm.py [--device cuda] [--dtype bf16] [--tokens 4096] [--buffers 4]
+Writes bench/results/grouped_gemm_<tag>.json (tag from dwdp.timing.device_tag) and prints a
+table last. Ratios are time(variant) / time(baseline of the section): > 1 means slower.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dwdp.kernels import (
+    GroupedGemmConfig,
+    expert_weight_table,
+    grouped_gemm,
+    grouped_gemm_reference,
+    local_first_split,
+    moe_experts,
+    moe_experts_reference,
+    sort_by_expert,
+    swiglu_reference,
+)
+from dwdp.kernels.grouped_gemm import default_wave_size
+from dwdp.timing import device_tag, time_fn
+
+RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    name: str
+    hidden: int  # H
+    inter: int  # I (per expert)
+    experts: int  # E
+    top_k: int  # k
+
+    def scaled(self, dim_div: int, expert_div: int) -> MoeShape:
+        return MoeShape(self.name, self.hidden // dim_div, self.inter // dim_div,
+                        max(8, self.experts // expert_div), self.top_k)
+
+
+SHAPES = [
+    MoeShape("deepseek-v3", 7168, 2048, 256, 8),
+    MoeShape("qwen3-30b-a3b", 2048, 768, 128, 8),
+    MoeShape("qwen3-235b-a22b", 4096, 1536, 128, 8),
+    MoeShape("mixtral-8x7b", 4096, 14336, 8, 2),
+]
+
+
+def _split_buffers(num_experts: int, num_buffers: int, rows: int, cols: int, dtype, device, gen):
+    """E expert views [rows, cols] in table order: the first ceil(E / B) in the local buffer, the
+    rest in B - 1 peer buffers of consecutive experts. Returns (views, num_local)."""
+    per_buffer = math.ceil(num_experts / num_buffers)
+    views = []
+    for start in range(0, num_experts, per_buffer):
+        count = min(per_buffer, num_experts - start)
+        buf = torch.randn(count, rows, cols, generator=gen, device=device, dtype=torch.float32)  # [E_b, rows, cols]
+        buf = (buf / math.sqrt(cols)).to(dtype)
+        views.extend(buf.unbind(0))
+    return views, per_buffer
+
+
+def _routing(num_tokens: int, shape: MoeShape, device, gen):
+    logits = torch.randn(num_tokens, shape.experts, generator=gen, device=device)  # [T, E]
+    weights, index = torch.topk(logits.softmax(-1), shape.top_k, dim=-1)  # [T, k] each
+    return weights, index
+
+
+def _grouped_mm(x, weights_enk, offsets):
+    """F.grouped_mm over [E, N, K] weights: x [M, K] -> [M, N]; offsets are group ends (int32)."""
+    return F.grouped_mm(x, weights_enk.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
+
+
+def _grouped_mm_supported(device, dtype) -> bool:
+    if not hasattr(F, "grouped_mm"):
+        return False
+    try:
+        x = torch.ones(4, 16, device=device, dtype=dtype)
+        _grouped_mm(x, torch.ones(2, 16, 16, device=device, dtype=dtype),
+                    torch.tensor([0, 2, 4], device=device, dtype=torch.int32))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views):
+    """transformers' grouped_mm experts path, after merging the split weights (the copy DWDP avoids)."""
+    num_tokens, top_k = index.shape
+    gate_up = torch.stack(gate_up_views)  # [E, 2I, H] merge copy
+    down = torch.stack(down_views)  # [E, H, I] merge copy
+    slots, offsets = sort_by_expert(index, gate_up.shape[0])  # [S], [E + 1]
+    x = hidden[slots // top_k]  # [S, H]
+    h = swiglu_reference(_grouped_mm(x, gate_up, offsets))  # [S, I]
+    y = _grouped_mm(h, down, offsets) * weights.reshape(-1)[slots, None].to(h.dtype)  # [S, H]
+    per_slot = torch.empty_like(y)
+    per_slot[slots] = y  # [S, H] slot order
+    return per_slot.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _loop_mm(x, host_offsets, views, out):
+    for e, w in enumerate(views):
+        lo, hi = host_offsets[e], host_offsets[e + 1]
+        if hi > lo:
+            torch.mm(x[lo:hi], w.t(), out=out[lo:hi])
+    return out
+
+
+def _row(section, model, variant, timing, flops, baseline_s):
+    return {
+        "section": section, "model": model, "variant": variant,
+        "median_ms": timing.median_s * 1e3, "p10_ms": timing.p10_s * 1e3, "p90_ms": timing.p90_s * 1e3,
+        "tflops": flops / timing.median_s / 1e12,
+        "ratio": timing.median_s / baseline_s if baseline_s else 1.0,
+    }
+
+
+def bench_model(shape: MoeShape, args, device, dtype, use_triton: bool, has_grouped_mm: bool) -> tuple[list, dict]:
+    gen = torch.Generator(device=device).manual_seed(0)
+    timer = dict(warmup=args.warmup, repeats=args.repeats, device=device)
+    config = GroupedGemmConfig()
+    rows, notes = [], {}
+    weights, index = _routing(args.tokens, shape, device, gen)
+    hidden = torch.randn(args.tokens, shape.hidden, generator=gen, device=device).to(dtype)  # [T, H]
+    slots, offsets = sort_by_expert(index, shape.experts)  # [M], [E + 1]
+    x_sorted = hidden[slots // shape.top_k].contiguous()  # [M, H]
+    host_offsets = offsets.tolist()
+    num_rows = x_sorted.shape[0]
+
+    # gemm section: the gate_up GEMM.
+    gate_up_views, num_local = _split_buffers(shape.experts, args.buffers, 2 * shape.inter, shape.hidden, dtype,
+                                              device, gen)
+    gate_up_contig = torch.stack(gate_up_views)  # [E, 2I, H]
+    contig_views = list(gate_up_contig.unbind(0))
+    flops = 2.0 * num_rows * (2 * shape.inter) * shape.hidden
+    out = x_sorted.new_empty(num_rows, 2 * shape.inter)  # [M, 2I]
+    if use_triton:
+        multi_table, contig_table = expert_weight_table(gate_up_views), expert_weight_table(contig_views)
+        wave = default_wave_size(torch.device(device), config)
+        single = time_fn(lambda: grouped_gemm(x_sorted, offsets, multi_table, out=out), **timer)
+        variants = [("multi-buffer", single),
+                    ("contiguous", time_fn(lambda: grouped_gemm(x_sorted, offsets, contig_table, out=out), **timer))]
+
+        def local_first():
+            grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="first")
+            grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="second")
+
+        n_tiles = math.ceil(2 * shape.inter / config.block_n)
+        first = local_first_split(offsets, num_local, n_tiles=[n_tiles], block_m=config.block_m, wave_size=wave)
+        notes["gemm_local_first"] = {"num_local": num_local, "first_part_experts": first, "wave_size": wave}
+    else:
+        single = time_fn(lambda: grouped_gemm_reference(x_sorted, offsets, gate_up_views), **timer)
+        variants = [("multi-buffer", single),
+                    ("contiguous", time_fn(lambda: grouped_gemm_reference(x_sorted, offsets, contig_views), **timer))]
+
+        def local_first():
+            cut = host_offsets[num_local]
+            out[:cut] = grouped_gemm_reference(x_sorted[:cut], host_offsets[:num_local + 1], gate_up_views[:num_local])
+            rest = [o - cut for o in host_offsets[num_local:]]
+            out[cut:] = grouped_gemm_reference(x_sorted[cut:], rest, gate_up_views[num_local:])
+
+    if has_grouped_mm:
+        variants.append(("merge + grouped_mm",
+                         time_fn(lambda: _grouped_mm(x_sorted, torch.stack(gate_up_views), offsets), **timer)))
+        variants.append(("grouped_mm (no copy)",
+                         time_fn(lambda: _grouped_mm(x_sorted, gate_up_contig, offsets), **timer)))
+    else:
+        notes["grouped_mm"] = f"skipped: F.grouped_mm unavailable for {dtype} on {device}"
+    variants.append(("loop torch.mm", time_fn(lambda: _loop_mm(x_sorted, host_offsets, gate_up_views, out), **timer)))
+    variants.append((f"local-first (L={num_local})", time_fn(local_first, **timer)))
+    # Results are compared too, so a fast wrong kernel cannot pass as a win.
+    local_first()
+    expected = _loop_mm(x_sorted, host_offsets, gate_up_views, torch.empty_like(out))
+    notes["gemm_max_abs_diff_local_first_vs_loop"] = (out.float() - expected.float()).abs().max().item()
+    rows += [_row("gemm", shape.name, name, t, flops, single.median_s) for name, t in variants]
+    del gate_up_contig, contig_views
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+    # moe section: the whole experts path.
+    down_views, _ = _split_buffers(shape.experts, args.buffers, shape.hidden, shape.inter, dtype, device, gen)
+    moe_flops = 6.0 * num_rows * shape.hidden * shape.inter
+    if use_triton:
+        gate_up_table, down_table = expert_weight_table(gate_up_views), expert_weight_table(down_views)
+        fused = time_fn(lambda: moe_experts(hidden, index, weights, gate_up_table, down_table), **timer)
+        variants = [
+            ("fused (sum)", fused),
+            ("fused (atomic)", time_fn(lambda: moe_experts(hidden, index, weights, gate_up_table, down_table,
+                                                           combine="atomic"), **timer)),
+            (f"fused local-first (L={num_local})",
+             time_fn(lambda: moe_experts(hidden, index, weights, gate_up_table, down_table, split_at=num_local),
+                     **timer)),
+        ]
+    else:
+        fused = time_fn(lambda: moe_experts_reference(hidden, index, weights, gate_up_views, down_views), **timer)
+        variants = [("reference (loop)", fused)]
+    if has_grouped_mm:
+        variants.append(("merge + grouped_mm", time_fn(
+            lambda: _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views), **timer)))
+    rows += [_row("moe", shape.name, name, t, moe_flops, fused.median_s) for name, t in variants]
+    if has_grouped_mm:
+        got = (moe_experts(hidden, index, weights, gate_up_table, down_table) if use_triton
+               else moe_experts_reference(hidden, index, weights, gate_up_views, down_views))
+        expected = _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views)
+        notes["moe_max_abs_diff_vs_grouped_mm"] = (got.float() - expected.float()).abs().max().item()
+    return rows, notes
+
+
+def _table(rows: list[dict]) -> str:
+    header = f"{'section':<7} {'model':<16} {'variant':<28} {'median ms':>10} {'p10-p90 ms':>17} {'TFLOP/s':>8} {'ratio':>6}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        spread = f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}"
+        lines.append(f"{r['section']:<7} {r['model']:<16} {r['variant']:<28} {r['median_ms']:>10.3f} "
+                     f"{spread:>17} {r['tflops']:>8.3f} {r['ratio']:>6.2f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--tokens", type=int, default=None, help="T (default 4096 on cuda, 128 on cpu)")
+    parser.add_argument("--buffers", type=int, default=4, help="B: local buffer + B - 1 peer buffers")
+    parser.add_argument("--models", nargs="*", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES])
+    parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads (default 1: one thread is far steadier on a shared machine)")
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grouped_gemm_<tag>.json)")
+    args = parser.parse_args()
+    on_cuda = args.device == "cuda"
+    dtype = DTYPES[args.dtype or ("bf16" if on_cuda else "fp32")]
+    args.tokens = args.tokens or (4096 if on_cuda else 128)
+    args.warmup = args.warmup if args.warmup is not None else (5 if on_cuda else 2)
+    args.repeats = args.repeats or (20 if on_cuda else 7)
+    # CPU: dims / 8 and experts / 4 (at least 8), so the CPU run stays well under a minute.
+    shapes = [s if on_cuda else s.scaled(8, 4) for s in SHAPES if s.name in args.models]
+    if not on_cuda:
+        torch.set_num_threads(args.threads or 1)
+    has_grouped_mm = _grouped_mm_supported(args.device, dtype)
+    torch.manual_seed(0)
+
+    rows, notes = [], {}
+    for shape in shapes:
+        model_rows, model_notes = bench_model(shape, args, args.device, dtype, on_cuda, has_grouped_mm)
+        rows += model_rows
+        notes[shape.name] = model_notes
+    tag = device_tag(args.device)
+    result = {
+        "bench": "grouped_gemm",
+        "device": torch.cuda.get_device_name() if on_cuda else platform.processor() or platform.machine(),
+        "tag": tag,
+        "kernel_rows": "triton" if on_cuda else "pytorch reference",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": args.tokens,
+        "buffers": args.buffers,
+        "shapes": [vars(s) for s in shapes],
+        "grouped_mm": "available" if has_grouped_mm else "skipped (unavailable for this dtype/device)",
+        "notes": notes,
+        "rows": rows,
+    }
+    path = args.out or RESULTS / f"grouped_gemm_{tag}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"device {result['device']} ({tag}), {result['dtype']}, T={args.tokens}, B={args.buffers}, "
+          f"kernel rows: {result['kernel_rows']}, grouped_mm: {result['grouped_mm']}")
+    print(f"wrote {path}")
+    print(_table(rows))
+
+
+if __name__ == "__main__":
+    main()
