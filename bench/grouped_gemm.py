@@ -140,94 +140,125 @@ def _row(section, model, variant, timing, flops, baseline_s):
     }
 
 
-def bench_model(shape: MoeShape, args, device, dtype, use_triton: bool, has_grouped_mm: bool) -> tuple[list, dict]:
-    gen = torch.Generator(device=device).manual_seed(0)
-    timer = dict(warmup=args.warmup, repeats=args.repeats, device=device)
-    config = GroupedGemmConfig()
-    rows, notes = [], {}
-    weights, index = _routing(args.tokens, shape, device, gen)
-    hidden = torch.randn(args.tokens, shape.hidden, generator=gen, device=device).to(dtype)  # [T, H]
-    slots, offsets = sort_by_expert(index, shape.experts)  # [M], [E + 1]
-    x_sorted = hidden[slots // shape.top_k].contiguous()  # [M, H]
-    host_offsets = offsets.tolist()
-    num_rows = x_sorted.shape[0]
+@dataclass
+class _Inputs:
+    """Routed tokens of one model shape, built outside every timed region."""
 
-    # gemm section: the gate_up GEMM.
-    gate_up_views, num_local = _split_buffers(shape.experts, args.buffers, 2 * shape.inter, shape.hidden, dtype,
-                                              device, gen)
-    gate_up_contig = torch.stack(gate_up_views)  # [E, 2I, H]
-    contig_views = list(gate_up_contig.unbind(0))
-    flops = 2.0 * num_rows * (2 * shape.inter) * shape.hidden
-    out = x_sorted.new_empty(num_rows, 2 * shape.inter)  # [M, 2I]
+    shape: MoeShape
+    hidden: torch.Tensor  # [T, H]
+    index: torch.Tensor  # [T, k]
+    weights: torch.Tensor  # [T, k]
+    x_sorted: torch.Tensor  # [M, H]
+    offsets: torch.Tensor  # [E + 1]
+    host_offsets: list[int]
+
+
+def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm, timer, notes) -> list[dict]:
+    shape, x_sorted, offsets, host_offsets = inp.shape, inp.x_sorted, inp.offsets, inp.host_offsets
+    gen = torch.Generator(device=device).manual_seed(1)
+    views, num_local = _split_buffers(shape.experts, args.buffers, 2 * shape.inter, shape.hidden, dtype, device, gen)
+    contig = torch.stack(views)  # [E, 2I, H]
+    contig_views = list(contig.unbind(0))
+    out = x_sorted.new_empty(x_sorted.shape[0], 2 * shape.inter)  # [M, 2I]
     if use_triton:
-        multi_table, contig_table = expert_weight_table(gate_up_views), expert_weight_table(contig_views)
-        wave = default_wave_size(torch.device(device), config)
-        single = time_fn(lambda: grouped_gemm(x_sorted, offsets, multi_table, out=out), **timer)
-        variants = [("multi-buffer", single),
-                    ("contiguous", time_fn(lambda: grouped_gemm(x_sorted, offsets, contig_table, out=out), **timer))]
+        config = GroupedGemmConfig()
+        multi_table, contig_table = expert_weight_table(views), expert_weight_table(contig_views)
+
+        def multi():
+            return grouped_gemm(x_sorted, offsets, multi_table, out=out)
+
+        def contiguous():
+            return grouped_gemm(x_sorted, offsets, contig_table, out=out)
 
         def local_first():
             grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="first")
-            grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="second")
+            return grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="second")
 
+        wave = default_wave_size(torch.device(device), config)
         n_tiles = math.ceil(2 * shape.inter / config.block_n)
         first = local_first_split(offsets, num_local, n_tiles=[n_tiles], block_m=config.block_m, wave_size=wave)
         notes["gemm_local_first"] = {"num_local": num_local, "first_part_experts": first, "wave_size": wave}
     else:
-        single = time_fn(lambda: grouped_gemm_reference(x_sorted, offsets, gate_up_views), **timer)
-        variants = [("multi-buffer", single),
-                    ("contiguous", time_fn(lambda: grouped_gemm_reference(x_sorted, offsets, contig_views), **timer))]
+        def multi():
+            return grouped_gemm_reference(x_sorted, offsets, views)
+
+        def contiguous():
+            return grouped_gemm_reference(x_sorted, offsets, contig_views)
 
         def local_first():
             cut = host_offsets[num_local]
-            out[:cut] = grouped_gemm_reference(x_sorted[:cut], host_offsets[:num_local + 1], gate_up_views[:num_local])
-            rest = [o - cut for o in host_offsets[num_local:]]
-            out[cut:] = grouped_gemm_reference(x_sorted[cut:], rest, gate_up_views[num_local:])
+            out[:cut] = grouped_gemm_reference(x_sorted[:cut], host_offsets[:num_local + 1], views[:num_local])
+            out[cut:] = grouped_gemm_reference(x_sorted[cut:], [o - cut for o in host_offsets[num_local:]],
+                                               views[num_local:])
+            return out
 
+    variants = [("multi-buffer", time_fn(multi, **timer)), ("contiguous", time_fn(contiguous, **timer))]
     if has_grouped_mm:
-        variants.append(("merge + grouped_mm",
-                         time_fn(lambda: _grouped_mm(x_sorted, torch.stack(gate_up_views), offsets), **timer)))
-        variants.append(("grouped_mm (no copy)",
-                         time_fn(lambda: _grouped_mm(x_sorted, gate_up_contig, offsets), **timer)))
+        variants.append(("merge + grouped_mm", time_fn(lambda: _grouped_mm(x_sorted, torch.stack(views), offsets),
+                                                       **timer)))
+        variants.append(("grouped_mm (no copy)", time_fn(lambda: _grouped_mm(x_sorted, contig, offsets), **timer)))
     else:
         notes["grouped_mm"] = f"skipped: F.grouped_mm unavailable for {dtype} on {device}"
-    variants.append(("loop torch.mm", time_fn(lambda: _loop_mm(x_sorted, host_offsets, gate_up_views, out), **timer)))
+    variants.append(("loop torch.mm", time_fn(lambda: _loop_mm(x_sorted, host_offsets, views, out), **timer)))
     variants.append((f"local-first (L={num_local})", time_fn(local_first, **timer)))
     # Results are compared too, so a fast wrong kernel cannot pass as a win.
-    local_first()
-    expected = _loop_mm(x_sorted, host_offsets, gate_up_views, torch.empty_like(out))
-    notes["gemm_max_abs_diff_local_first_vs_loop"] = (out.float() - expected.float()).abs().max().item()
-    rows += [_row("gemm", shape.name, name, t, flops, single.median_s) for name, t in variants]
-    del gate_up_contig, contig_views
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    expected = _loop_mm(x_sorted, host_offsets, views, torch.empty_like(out)).float()  # [M, 2I]
+    notes["gemm_max_abs_diff_vs_loop"] = (multi().float() - expected).abs().max().item()
+    out.fill_(float("nan"))
+    notes["gemm_max_abs_diff_local_first_vs_loop"] = (local_first().float() - expected).abs().max().item()
+    flops = 2.0 * x_sorted.shape[0] * (2 * shape.inter) * shape.hidden
+    single = variants[0][1].median_s
+    return [_row("gemm", shape.name, name, t, flops, single) for name, t in variants]
 
-    # moe section: the whole experts path.
-    down_views, _ = _split_buffers(shape.experts, args.buffers, shape.hidden, shape.inter, dtype, device, gen)
-    moe_flops = 6.0 * num_rows * shape.hidden * shape.inter
+
+def _moe_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm, timer, notes) -> list[dict]:
+    shape, hidden, index, weights = inp.shape, inp.hidden, inp.index, inp.weights
+    gen = torch.Generator(device=device).manual_seed(2)
+    gate_up, num_local = _split_buffers(shape.experts, args.buffers, 2 * shape.inter, shape.hidden, dtype, device, gen)
+    down, _ = _split_buffers(shape.experts, args.buffers, shape.hidden, shape.inter, dtype, device, gen)
     if use_triton:
-        gate_up_table, down_table = expert_weight_table(gate_up_views), expert_weight_table(down_views)
-        fused = time_fn(lambda: moe_experts(hidden, index, weights, gate_up_table, down_table), **timer)
+        gate_up_table, down_table = expert_weight_table(gate_up), expert_weight_table(down)
+
+        def fused(**kwargs):
+            return moe_experts(hidden, index, weights, gate_up_table, down_table, **kwargs)
+
         variants = [
-            ("fused (sum)", fused),
-            ("fused (atomic)", time_fn(lambda: moe_experts(hidden, index, weights, gate_up_table, down_table,
-                                                           combine="atomic"), **timer)),
-            (f"fused local-first (L={num_local})",
-             time_fn(lambda: moe_experts(hidden, index, weights, gate_up_table, down_table, split_at=num_local),
-                     **timer)),
+            ("fused (sum)", time_fn(fused, **timer)),
+            ("fused (atomic)", time_fn(lambda: fused(combine="atomic"), **timer)),
+            (f"fused local-first (L={num_local})", time_fn(lambda: fused(split_at=num_local), **timer)),
         ]
     else:
-        fused = time_fn(lambda: moe_experts_reference(hidden, index, weights, gate_up_views, down_views), **timer)
-        variants = [("reference (loop)", fused)]
+        def fused():
+            return moe_experts_reference(hidden, index, weights, gate_up, down)
+
+        variants = [("reference (loop)", time_fn(fused, **timer))]
     if has_grouped_mm:
-        variants.append(("merge + grouped_mm", time_fn(
-            lambda: _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views), **timer)))
-    rows += [_row("moe", shape.name, name, t, moe_flops, fused.median_s) for name, t in variants]
-    if has_grouped_mm:
-        got = (moe_experts(hidden, index, weights, gate_up_table, down_table) if use_triton
-               else moe_experts_reference(hidden, index, weights, gate_up_views, down_views))
-        expected = _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views)
-        notes["moe_max_abs_diff_vs_grouped_mm"] = (got.float() - expected.float()).abs().max().item()
+        def baseline():
+            return _moe_grouped_mm_baseline(hidden, index, weights, gate_up, down)
+
+        variants.append(("merge + grouped_mm", time_fn(baseline, **timer)))
+        notes["moe_max_abs_diff_vs_grouped_mm"] = (fused().float() - baseline().float()).abs().max().item()
+    flops = 6.0 * index.numel() * shape.hidden * shape.inter
+    single = variants[0][1].median_s
+    return [_row("moe", shape.name, name, t, flops, single) for name, t in variants]
+
+
+def bench_model(shape: MoeShape, args, device, dtype, use_triton: bool, has_grouped_mm: bool) -> tuple[list, dict]:
+    """Both sections for one model shape; each section frees its weights before the next."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    timer = dict(warmup=args.warmup, repeats=args.repeats, device=device)
+    weights, index = _routing(args.tokens, shape, device, gen)
+    hidden = torch.randn(args.tokens, shape.hidden, generator=gen, device=device).to(dtype)  # [T, H]
+    slots, offsets = sort_by_expert(index, shape.experts)  # [M], [E + 1]
+    x_sorted = hidden[slots // shape.top_k].contiguous()  # [M, H]
+    inp = _Inputs(shape, hidden, index, weights, x_sorted, offsets, offsets.tolist())
+    notes: dict = {}
+    rows = _gemm_section(inp, args, device, dtype, use_triton, has_grouped_mm, timer, notes)
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    rows += _moe_section(inp, args, device, dtype, use_triton, has_grouped_mm, timer, notes)
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return rows, notes
 
 

@@ -362,14 +362,14 @@ def _check_offsets(expert_offsets: torch.Tensor, num_experts: int, num_rows: int
 def _check_split(split_at: int | None, part: str, num_experts: int, wave_size: int) -> int:
     if part not in _PARTS:
         raise ValueError(f"part={part!r} must be one of {tuple(_PARTS)}")
+    if not isinstance(wave_size, int) or wave_size < 1:
+        raise ValueError(f"wave_size={wave_size!r} must be an int >= 1")
     if split_at is None:
         if part != "all":
             raise ValueError(f"part={part!r} needs split_at (number of local experts)")
         return 0
-    if not 0 <= split_at <= num_experts:
-        raise ValueError(f"split_at={split_at} must be in [0, E={num_experts}]")
-    if wave_size < 1:
-        raise ValueError(f"wave_size={wave_size} must be >= 1")
+    if not isinstance(split_at, int) or not 0 <= split_at <= num_experts:
+        raise ValueError(f"split_at={split_at!r} must be an int in [0, E={num_experts}]")
     return split_at
 
 

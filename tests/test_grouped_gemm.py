@@ -249,6 +249,7 @@ def _misaligned_view():
         ("part", lambda a: a.update(split_at=1, part="local")),
         ("part", lambda a: a.update(part="first")),
         ("wave_size", lambda a: a.update(split_at=1, part="first", wave_size=0)),
+        ("wave_size", lambda a: a.update(wave_size=-3)),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_them(name, change):
