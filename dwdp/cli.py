@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per rank (default 3)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up on a rank")
+    demo.add_argument("--trace", metavar="DIR", help="write each rank's trace_rank{r}.json into DIR")
     return parser
 
 
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
-        return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout)
+        return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
+                        args.trace)
     raise AssertionError(args.command)
 
 

@@ -38,7 +38,7 @@ def _demo_rank(rank: int, opts: dict) -> dict:
     config = DWDPConfig(slice_bytes=opts["slice_bytes"], backend="host")
     from .model import DWDPModel
 
-    with DWDPModel(model, config, init_group()) as wrapped, torch.no_grad():
+    with DWDPModel(model, config, init_group(), trace=opts["trace"]) as wrapped, torch.no_grad():
         wrapped(input_ids=ids, attention_mask=mask)  # warm-up: first-touch of buffers, plan cache
         wrapped.stats.reset()
         start = time.perf_counter()
@@ -77,9 +77,12 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int = 1 << 20, repeats: int = 3,
-             seed: int = 0, timeout_s: float = 300.0) -> int:
-    """Run the demo on `ranks` local processes, print the per-rank table; returns the exit code."""
-    opts = dict(prompts=prompts, max_len=max_len, slice_bytes=slice_bytes, repeats=repeats, seed=seed)
+             seed: int = 0, timeout_s: float = 300.0, trace: str | None = None) -> int:
+    """Run the demo on `ranks` local processes, print the per-rank table; returns the exit code.
+
+    trace: a directory that receives one trace_rank{r}.json per rank.
+    """
+    opts = dict(prompts=prompts, max_len=max_len, slice_bytes=slice_bytes, repeats=repeats, seed=seed, trace=trace)
     cfg = DEMO_MODEL
     print(f"dwdp demo: {ranks} ranks, tiny DeepSeek-V3-style model (hidden {cfg['hidden']}, {cfg['num_experts']} "
           f"experts x {cfg['num_layers'] - 1} MoE layers, top-{cfg['top_k']}), host backend, CPU, seed {seed}")
@@ -87,6 +90,8 @@ def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: i
     rows = launch_local(_demo_rank, ranks, (opts,), timeout_s=timeout_s)
     print(format_table(rows))
     bad = [r["rank"] for r in rows if not r["ok"]]
+    if trace:
+        print(f"traces: {trace}/trace_rank{{0..{ranks - 1}}}.json")
     print(f"{len(rows) - len(bad)}/{len(rows)} ranks match the unwrapped model "
           f"(|diff| <= {ATOL} + {RTOL} * max|logit|); {time.perf_counter() - start:.1f} s")
     return 1 if bad else 0

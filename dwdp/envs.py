@@ -6,6 +6,7 @@ import os
 ENV_VARS = {
     "DWDP_SHM_DIR": "directory for host-backend shared segments (default /dev/shm)",
     "DWDP_WAIT_TIMEOUT_S": "overrides DWDPConfig.wait_timeout_s when set",
+    "DWDP_TRACE_DIR": "write each rank's trace_rank{r}.json there (Chrome trace format)",
     "DWDP_LOG_LEVEL": "log level of the dwdp logger (default WARNING)",
 }
 
@@ -35,3 +36,7 @@ def log_level() -> str:
     if value not in LOG_LEVELS:
         raise ValueError(f"DWDP_LOG_LEVEL={value!r} must be one of {LOG_LEVELS}")
     return value
+
+
+def trace_dir() -> str | None:
+    return os.environ.get("DWDP_TRACE_DIR") or None

@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import phases
 from .kernels.reference import grouped_gemm_reference
+from .tracing import now_us
 
 EXPERTS_IMPLEMENTATION = "dwdp"
 
@@ -66,6 +68,8 @@ def dwdp_experts_forward(
     num_tokens, top_k = top_k_index.shape
     num_experts = runtime.position.numel()
     prefetcher = runtime.prefetcher
+    recorder = prefetcher.recorder
+    start = now_us() if recorder is not None else 0.0
     # Issue this layer's copy (if not already in flight) and the next layer's, before any compute.
     slot = prefetcher.begin(runtime.layer)
     try:
@@ -91,7 +95,10 @@ def dwdp_experts_forward(
     weighted = out_sorted * top_k_weights.reshape(-1)[perm].unsqueeze(-1)   # [S, H]
     out = torch.empty_like(weighted)                                         # [S, H] in token order
     out[perm] = weighted
-    return out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    result = out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    if recorder is not None:
+        recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
+    return result
 
 
 def register_experts_implementation() -> None:

@@ -23,6 +23,7 @@ from .group import DWDPGroup, init_group
 from .placement import Placement, build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
 from .prefetch import Prefetcher
+from .tracing import TraceRecorder, attach_phase_hooks
 from .transport import make_transport, resolve_backend
 
 log = logging.getLogger("dwdp")
@@ -72,6 +73,8 @@ class DWDPModel(torch.nn.Module):
     expert_source: where this rank's local experts come from; None reads them from the model's
         stacked parameters. A loader passes one that reads only local experts from a checkpoint,
         so a model whose experts are still on the meta device never materialises the others.
+    trace: directory for this rank's `trace_rank{r}.json` (written on `close`); default
+        DWDP_TRACE_DIR, and no recording at all when neither is set.
     """
 
     def __init__(
@@ -81,6 +84,7 @@ class DWDPModel(torch.nn.Module):
         group: DWDPGroup | None = None,
         *,
         expert_source: ExpertSource | None = None,
+        trace: str | None = None,
     ):
         super().__init__()
         config = config or DWDPConfig()
@@ -165,7 +169,16 @@ class DWDPModel(torch.nn.Module):
 
         register_experts_implementation()
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-        self._hook = model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())
+        self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())]
+        self.recorder = None
+        trace = trace or envs.trace_dir()
+        if trace:
+            plan_bytes = {layer: plans.get(layer, 0).nbytes for layer in range(len(experts))}
+            self.recorder = TraceRecorder(trace, group.rank, group.size, len(experts), plan_bytes)
+            self.prefetcher.recorder = transport.recorder = self.recorder
+            self._hooks.append(model.register_forward_pre_hook(lambda *_: self.recorder.begin_forward()))
+            self._hooks.append(model.register_forward_hook(lambda *_: self.recorder.end_forward()))
+            self._hooks += attach_phase_hooks(model, self.recorder, [name for name, _ in experts])
 
         expert_ids = {id(t) for m in self.experts_modules for t in adapter.expert_tensors(m)}
         self.memory = MemoryReport(
@@ -205,13 +218,16 @@ class DWDPModel(torch.nn.Module):
 
     def close(self) -> None:
         """Wait for copies in flight and release shared memory; the model is unusable afterwards."""
-        if getattr(self, "_hook", None) is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in getattr(self, "_hooks", ()):
+            hook.remove()
+        self._hooks = []
         try:
             self.prefetcher.drain()
         finally:
             self._finalizer()
+            if self.recorder is not None:
+                self.trace_path = self.recorder.write()
+                self.recorder = None
 
     def __enter__(self):
         return self

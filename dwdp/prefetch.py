@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import phases
 from .plan import PlanCache
+from .tracing import now_us
 from .transport.base import PrefetchTimeout, Ticket, Transport
 
 
@@ -58,6 +60,7 @@ class Prefetcher:
         self.stats = PrefetchStats()
         self._visit = 0
         self._cond = threading.Condition()
+        self.recorder = None  # a dwdp.tracing.TraceRecorder while tracing
 
     @property
     def num_buffers(self) -> int:
@@ -103,10 +106,14 @@ class Prefetcher:
         slot = self.slots[slot_index]
         if slot.layer != layer or slot.ticket is None:
             raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        start = now_us()
         if experts is None:
             waited = slot.ticket.wait(self.timeout_s)
         else:
             waited = slot.ticket.wait_experts(experts, self.timeout_s)
+        if self.recorder is not None:
+            self.recorder.complete(phases.PREFETCH_WAIT, start, now_us(), layer=layer, slot=slot_index,
+                                   iteration=self.recorder.iteration)
         with self._cond:
             self.stats.wait_s += waited
             self.stats.waits += 1
@@ -161,7 +168,11 @@ class Prefetcher:
         slot = self.slots[slot_index]
         plan = self.plans.get(slot.layer, slot_index)
         slot.deferred = False
+        start = now_us()
         slot.ticket = self.transport.submit(plan, slot.buffer)
+        if self.recorder is not None:
+            self.recorder.complete(phases.PREFETCH_ISSUE, start, now_us(), layer=slot.layer, slot=slot_index,
+                                   iteration=self.recorder.iteration)
         self.stats.bytes_copied += plan.nbytes
         self.stats.plans_issued += 1
         self._cond.notify_all()

@@ -17,6 +17,7 @@ import torch
 
 from .. import envs
 from ..plan import CopyPlan
+from ..tracing import now_us
 from .base import Ticket, Transport
 
 SEGMENT_PREFIX = "dwdp-seg-"
@@ -63,6 +64,7 @@ class HostTransport(Transport):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closed = False
+        self.recorder = None  # a dwdp.tracing.TraceRecorder while tracing
 
     # -- setup ---------------------------------------------------------------------------------
     def alloc_segment(self, nbytes: int) -> torch.Tensor:
@@ -109,11 +111,11 @@ class HostTransport(Transport):
     # -- copies --------------------------------------------------------------------------------
     def _start_copiers(self) -> None:
         for i in range(self.inflight):
-            t = threading.Thread(target=self._copier, name=f"dwdp-copier-{self.rank}-{i}", daemon=True)
+            t = threading.Thread(target=self._copier, args=(i,), name=f"dwdp-copier-{self.rank}-{i}", daemon=True)
             t.start()
             self._threads.append(t)
 
-    def _copier(self) -> None:
+    def _copier(self, worker: int) -> None:
         while True:
             item = self._queue.get()
             if item is None:
@@ -121,6 +123,8 @@ class HostTransport(Transport):
             ticket, dst, s = item
             if ticket.error is not None:
                 continue
+            recorder = self.recorder
+            start = now_us() if recorder is not None else 0.0
             try:
                 # torch releases the GIL inside copy_, so copiers and compute run in parallel.
                 dst[s.dst_offset : s.dst_offset + s.nbytes].copy_(
@@ -129,6 +133,9 @@ class HostTransport(Transport):
             except BaseException as exc:  # surfaced to the waiter, never lost in a thread
                 ticket._fail(exc)
                 continue
+            if recorder is not None:
+                recorder.copy_slice(worker, start, now_us(), s.peer, s.nbytes, ticket.plan.layer, ticket.plan.slot,
+                                    s.expert)
             ticket._finish_slice(s.peer, s.expert)
 
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> Ticket:

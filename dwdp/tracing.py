@@ -1,0 +1,114 @@
+"""Per-rank Chrome trace recording (`trace_rank{r}.json`, opens in Perfetto).
+
+Lanes: tid 0 is the compute thread (forward, attention, router, MoE compute, prefetch issue and
+wait); tid 100 + i is copier i, one event per copy slice with its source, destination and bytes.
+Timestamps are microseconds of the host's monotonic clock, shared by every process on the host,
+so the ranks' files line up. With recording off nothing here runs: callers hold `None`.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from . import phases
+
+COMPUTE_TID = 0
+COPIER_TID0 = 100
+
+
+def now_us() -> float:
+    return time.perf_counter_ns() / 1e3
+
+
+class TraceRecorder:
+    """Collects one rank's events in memory; `write` puts them in `directory/trace_rank{r}.json`."""
+
+    def __init__(self, directory: str | Path, rank: int, group_size: int, num_moe_layers: int, plan_bytes: dict):
+        self.directory = Path(directory)
+        self.rank, self.group_size, self.num_moe_layers = rank, group_size, num_moe_layers
+        self.plan_bytes = {str(k): v for k, v in plan_bytes.items()}
+        self.iteration = -1
+        self._events: list[dict] = []
+        self._lock = threading.Lock()
+        self._copier_tids: set[int] = set()
+        self._forward_start: float | None = None
+
+    def complete(self, name: str, start_us: float, end_us: float, tid: int = COMPUTE_TID, cat: str = "dwdp",
+                 **args) -> None:
+        event = {"ph": "X", "name": name, "cat": cat, "pid": self.rank, "tid": tid, "ts": start_us,
+                 "dur": max(end_us - start_us, 0.0), "args": args}
+        with self._lock:
+            self._events.append(event)
+
+    def begin_forward(self) -> None:
+        self.iteration += 1
+        self._forward_start = now_us()
+
+    def end_forward(self) -> None:
+        if self._forward_start is not None:
+            self.complete(phases.FORWARD, self._forward_start, now_us(), iteration=self.iteration)
+            self._forward_start = None
+
+    def copy_slice(self, worker: int, start_us: float, end_us: float, peer: int, nbytes: int, layer: int,
+                   slot: int, expert: int) -> None:
+        self._copier_tids.add(COPIER_TID0 + worker)
+        self.complete(phases.COPY_SLICE, start_us, end_us, tid=COPIER_TID0 + worker, cat="copy",
+                      src=peer, dst=self.rank, bytes=nbytes, layer=layer, slot=slot, expert=expert)
+
+    def _metadata(self) -> list[dict]:
+        meta = [{"ph": "M", "name": "process_name", "pid": self.rank, "tid": 0, "args": {"name": f"rank {self.rank}"}},
+                {"ph": "M", "name": "thread_name", "pid": self.rank, "tid": COMPUTE_TID, "args": {"name": "compute"}}]
+        for tid in sorted(self._copier_tids):
+            meta.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid,
+                         "args": {"name": f"copier {tid - COPIER_TID0}"}})
+        return meta
+
+    def write(self) -> Path:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / f"trace_rank{self.rank}.json"
+        with self._lock:
+            events = self._metadata() + sorted(self._events, key=lambda e: e["ts"])
+        doc = {"traceEvents": events, "displayTimeUnit": "ms",
+               "otherData": {"rank": self.rank, "group_size": self.group_size, "pid": os.getpid(),
+                             "num_moe_layers": self.num_moe_layers, "plan_bytes_per_layer": self.plan_bytes}}
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(doc))
+        tmp.replace(path)  # readers never see a half-written file
+        return path
+
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+def attach_phase_hooks(model: torch.nn.Module, recorder: TraceRecorder, experts_names: list[str]) -> list:
+    """Time every attention block and MoE router of `model` with forward hooks; returns the handles."""
+    handles = []
+
+    def timed(module: torch.nn.Module, name: str, layer: int) -> None:
+        state = {}
+
+        def pre(*_):
+            state["t"] = now_us()
+
+        def post(*_):
+            recorder.complete(name, state.pop("t", now_us()), now_us(), layer=layer, iteration=recorder.iteration)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+
+    for module_name, module in model.named_modules():
+        match = _LAYER_INDEX.search(module_name + ".")
+        if match and module_name.endswith(".self_attn"):
+            timed(module, phases.ATTENTION, int(match.group(1)))
+    for moe_layer, experts_name in enumerate(experts_names):
+        parent = model.get_submodule(experts_name.rsplit(".", 1)[0])
+        router = getattr(parent, "gate", None)
+        if isinstance(router, torch.nn.Module):
+            timed(router, phases.ROUTER, moe_layer)
+    return handles
