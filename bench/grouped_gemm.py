@@ -263,7 +263,8 @@ def bench_model(shape: MoeShape, args, device, dtype, use_triton: bool, has_grou
 
 
 def _table(rows: list[dict]) -> str:
-    header = f"{'section':<7} {'model':<16} {'variant':<28} {'median ms':>10} {'p10-p90 ms':>17} {'TFLOP/s':>8} {'ratio':>6}"
+    header = (f"{'section':<7} {'model':<16} {'variant':<28} {'median ms':>10} {'p10-p90 ms':>17} "
+              f"{'TFLOP/s':>8} {'ratio':>6}")
     lines = [header, "-" * len(header)]
     for r in rows:
         spread = f"{r['p10_ms']:.3f}-{r['p90_ms']:.3f}"
@@ -283,7 +284,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--threads", type=int, default=None,
                         help="CPU threads (default 1: one thread is far steadier on a shared machine)")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/grouped_gemm_<tag>.json)")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default bench/results/grouped_gemm_<tag>.json)")
     args = parser.parse_args()
     on_cuda = args.device == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if on_cuda else "fp32")]

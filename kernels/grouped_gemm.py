@@ -348,7 +348,9 @@ def _check_offsets(expert_offsets: torch.Tensor, num_experts: int, num_rows: int
     if expert_offsets.dtype not in _OFFSET_DTYPES:
         raise ValueError(f"expert_offsets has dtype {expert_offsets.dtype}, expected int32 or int64")
     if expert_offsets.shape != (num_experts + 1,):
-        raise ValueError(f"expert_offsets has shape {tuple(expert_offsets.shape)}, expected ({num_experts + 1},) = E + 1")
+        raise ValueError(
+            f"expert_offsets has shape {tuple(expert_offsets.shape)}, expected ({num_experts + 1},) = E + 1"
+        )
     if expert_offsets.device != device:
         raise ValueError(f"expert_offsets is on {expert_offsets.device}, expected {device}")
     if not expert_offsets.is_contiguous():
@@ -478,13 +480,21 @@ def grouped_gemm(
     n_out = n // 2 if activation == "swiglu" else n
     if row_scale is not None:
         if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (num_rows,):
-            raise ValueError(f"row_scale must be a tensor of shape ({num_rows},), got {getattr(row_scale, 'shape', row_scale)}")
+            raise ValueError(
+                f"row_scale must be a tensor of shape ({num_rows},), got {getattr(row_scale, 'shape', row_scale)}"
+            )
         if not row_scale.is_floating_point() or row_scale.device != x_sorted.device or not row_scale.is_contiguous():
-            raise ValueError(f"row_scale must be a contiguous float tensor on {x_sorted.device}, got {row_scale.dtype} on {row_scale.device}")
+            raise ValueError(
+                f"row_scale must be a contiguous float tensor on {x_sorted.device}, "
+                f"got {row_scale.dtype} on {row_scale.device}"
+            )
     if out is None:
         out = x_sorted.new_empty(num_rows, n_out)  # [T, N_OUT]
     elif out.shape != (num_rows, n_out) or out.dtype != x_sorted.dtype or out.device != x_sorted.device:
-        raise ValueError(f"out is {tuple(out.shape)} {out.dtype} on {out.device}, expected ({num_rows}, {n_out}) {x_sorted.dtype} on {x_sorted.device}")
+        raise ValueError(
+            f"out is {tuple(out.shape)} {out.dtype} on {out.device}, "
+            f"expected ({num_rows}, {n_out}) {x_sorted.dtype} on {x_sorted.device}"
+        )
     config_wave = default_wave_size(x_sorted.device, config) if wave_size is None else wave_size
     split = _check_split(split_at, part, table.num_experts, config_wave)
     if num_rows == 0:

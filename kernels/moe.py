@@ -99,13 +99,22 @@ def moe_experts(
         raise ValueError(f"down views are {list(down_table.shape)}, expected [H, I] = [{hidden_dim}, {inter}]")
     for name, table in (("gate_up", gate_up_table), ("down", down_table)):
         if table.dtype != hidden.dtype or table.device != hidden.device:
-            raise ValueError(f"{name} is {table.dtype} on {table.device}, expected {hidden.dtype} on {hidden.device} like hidden")
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != num_tokens or top_k_index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"top_k_index must be int32/int64 [T={num_tokens}, k], got {top_k_index.dtype} {tuple(top_k_index.shape)}")
+            raise ValueError(
+                f"{name} is {table.dtype} on {table.device}, expected {hidden.dtype} on {hidden.device} like hidden"
+            )
+    index_ok = top_k_index.dim() == 2 and top_k_index.shape[0] == num_tokens
+    if not index_ok or top_k_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"top_k_index must be int32/int64 [T={num_tokens}, k], got {top_k_index.dtype} {tuple(top_k_index.shape)}"
+        )
     if top_k_index.device != hidden.device:
         raise ValueError(f"top_k_index is on {top_k_index.device}, expected {hidden.device}")
-    if top_k_weights.shape != top_k_index.shape or not top_k_weights.is_floating_point() or top_k_weights.device != hidden.device:
-        raise ValueError(f"top_k_weights must be a float tensor {tuple(top_k_index.shape)} on {hidden.device}, got {top_k_weights.dtype} {tuple(top_k_weights.shape)} on {top_k_weights.device}")
+    weights_ok = top_k_weights.shape == top_k_index.shape and top_k_weights.device == hidden.device
+    if not weights_ok or not top_k_weights.is_floating_point():
+        raise ValueError(
+            f"top_k_weights must be a float tensor {tuple(top_k_index.shape)} on {hidden.device}, "
+            f"got {top_k_weights.dtype} {tuple(top_k_weights.shape)} on {top_k_weights.device}"
+        )
     if combine not in ("sum", "atomic"):
         raise ValueError(f"combine={combine!r} must be 'sum' or 'atomic'")
     if hidden.device.type == "cpu" and top_k_index.numel():  # a range check on CUDA would sync

@@ -31,8 +31,8 @@ def _experts(gen, num_experts, hidden_dim, inter, num_buffers, dtype):
     """gate_up [2I, H] and down [H, I] views of E experts spread round-robin over num_buffers
     stacked buffers per projection, like a local parameter plus one prefetch buffer per peer."""
     owner = [e % num_buffers for e in range(num_experts)]
-    gate_up_bufs = [(torch.randn(owner.count(b), 2 * inter, hidden_dim, generator=gen) / math.sqrt(hidden_dim)).to(dtype)
-                    for b in range(num_buffers)]  # [E_b, 2I, H]
+    gate_up_bufs = [(torch.randn(owner.count(b), 2 * inter, hidden_dim, generator=gen) / math.sqrt(hidden_dim))
+                    .to(dtype) for b in range(num_buffers)]  # [E_b, 2I, H]
     down_bufs = [(torch.randn(owner.count(b), hidden_dim, inter, generator=gen) / math.sqrt(inter)).to(dtype)
                  for b in range(num_buffers)]  # [E_b, H, I]
     gate_up, down = [], []
@@ -112,7 +112,8 @@ def test_one_token():
 
 
 def test_sizes_not_multiples_of_tile_and_top1():
-    hidden, index, weights, gate_up, down, *_ = _case(34, 37, 3, 1, 45, 24, 2, torch.float32)  # H off the tile, I = 1.5 tiles
+    # H = 45 is off the tile, I = 24 is 1.5 tiles; views stay 16-byte aligned.
+    hidden, index, weights, gate_up, down, *_ = _case(34, 37, 3, 1, 45, 24, 2, torch.float32)
     got = moe_experts(hidden, index, weights, gate_up, down, config=TINY)
     _check(got, _reference_fp32(hidden, index, weights, gate_up, down), torch.float32, "odd sizes")
 
