@@ -1,8 +1,8 @@
 """Prefetch slots: issue, wait and release per MoE layer.
 
 MoE layers are visited in a cycle 0, 1, ..., M-1, 0, 1, ... across forwards; visit n uses slot
-n % B. At visit n the rank issues the copy of the next layer into the next slot, waits for its own
-slot, computes, and releases it. A copy into a slot that compute still reads is deferred until that
+n % B. At visit n the rank issues the copies of the next B - 1 layers into the other slots (those
+not already there), waits for its own slot, computes, and releases it. A copy into a slot that compute still reads is deferred until that
 slot is released (the host analogue of a copy stream waiting on the consumer's event), so a slot
 is never overwritten under a reader. A slot that already holds the wanted layer is reused.
 """
@@ -96,8 +96,11 @@ class Prefetcher:
                 )
             slot.readers += 1
             self._visit += 1
-            if not self._issue_locked((layer + 1) % self.num_layers, self.slot_of_visit(self._visit)):
-                self.stats.slot_hits += 1
+            # Prefetch depth is B - 1 layers: every other slot is filled ahead of its use.
+            for ahead in range(self.num_buffers - 1):
+                target = self.slot_of_visit(self._visit + ahead)
+                if not self._issue_locked((layer + 1 + ahead) % self.num_layers, target) and ahead == 0:
+                    self.stats.slot_hits += 1
         return slot_index
 
     def wait(self, layer: int, slot_index: int, experts=None) -> float:

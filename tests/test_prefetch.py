@@ -12,8 +12,8 @@ TENSOR_NBYTES = (3000, 1500)
 NUM_LAYERS = 3
 
 
-@pytest.fixture
-def pair(tmp_path):
+@pytest.fixture(params=[2])
+def pair(tmp_path, request):
     """Rank 0's prefetcher over a 2-rank group whose segments hold seeded random bytes."""
     placement = build_placement(6, 2)
     seg_layout = SegmentLayout(NUM_LAYERS, placement.num_local_experts, TENSOR_NBYTES)
@@ -30,7 +30,7 @@ def pair(tmp_path):
     for t in transports:
         t.seal()
     nbytes = slot_layout(placement, 0, TENSOR_NBYTES).total_nbytes
-    buffers = [transports[0].alloc_slot(nbytes) for _ in range(2)]
+    buffers = [transports[0].alloc_slot(nbytes) for _ in range(request.param)]
     plans = PlanCache(placement, 0, seg_layout, slice_bytes=700)
     prefetcher = Prefetcher(transports[0], plans, buffers, NUM_LAYERS, timeout_s=10.0)
 
@@ -43,12 +43,15 @@ def pair(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("pair", [2, 3, 4], indirect=True)
 def test_layers_cycle_through_slots(pair):
     prefetcher, buffers, expected = pair
     for visit in range(2 * NUM_LAYERS):
         layer = visit % NUM_LAYERS
         slot = prefetcher.begin(layer)
-        assert slot == visit % 2
+        assert slot == visit % len(buffers)
+        for ahead in range(1, len(buffers)):  # the next B - 1 layers are already on their way
+            assert prefetcher.slots[(visit + ahead) % len(buffers)].layer == (layer + ahead) % NUM_LAYERS
         prefetcher.wait(layer, slot)
         assert torch.equal(buffers[slot], expected(layer)), f"layer {layer} slot {slot}"
         prefetcher.release(slot)
