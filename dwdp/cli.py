@@ -24,7 +24,49 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up on a rank")
     demo.add_argument("--trace", metavar="DIR", help="write each rank's trace_rank{r}.json into DIR")
+    tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
+    source = tune.add_mutually_exclusive_group()
+    source.add_argument("--model", metavar="PATH", help="local model directory (its config.json; random weights)")
+    source.add_argument("--family", help="a tiny model of this family instead of the demo model")
+    tune.add_argument("--group-size", type=_positive_int, default=4, help="ranks per DWDP group (default 4)")
+    tune.add_argument("--max-num-tokens", type=_positive_int, default=256, help="tokens per forward (default 256)")
+    tune.add_argument("--slice-sizes", default="65536,262144,1048576,4194304",
+                      help="comma-separated slice sizes in bytes to measure")
+    tune.add_argument("--inflight", type=_positive_int, default=2, help="copier threads (default 2)")
+    tune.add_argument("--memory-gib", type=float, help="memory budget per rank (default: 80%% of available / ranks)")
+    tune.add_argument("--repeats", type=_positive_int, default=3)
+    tune.add_argument("--out", default="dwdp_tuned.json", help="where to write the recommended DWDPConfig")
+    tune.add_argument("--report", metavar="JSON", help="also write the measurements and the reasoning here")
     return parser
+
+
+def _tune(args) -> int:
+    import json
+
+    from .tune import run_tune
+
+    if args.model:
+        from transformers import AutoConfig
+
+        model_config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+    else:
+        from .demo import DEMO_MODEL
+        from .tiny import tiny_config
+
+        model_config = tiny_config(args.family or "deepseek_v3", **({} if args.family else DEMO_MODEL))
+    try:
+        sizes = [int(s) for s in args.slice_sizes.split(",")]
+    except ValueError:
+        raise SystemExit(f"dwdp tune: --slice-sizes={args.slice_sizes!r} must be comma-separated integers") from None
+    if not sizes or min(sizes) < 1:
+        raise SystemExit(f"dwdp tune: --slice-sizes={args.slice_sizes!r} must hold sizes >= 1")
+    budget = int(args.memory_gib * 2**30) if args.memory_gib else None
+    result = run_tune(model_config, args.group_size, args.max_num_tokens, sizes, args.inflight, budget, args.out,
+                      args.repeats)
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
                         args.trace)
+    if args.command == "tune":
+        return _tune(args)
     raise AssertionError(args.command)
 
 

@@ -9,6 +9,7 @@ local experts in place and remote ones from a prefetch slot filled by copies fro
 from __future__ import annotations
 
 import logging
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ class DWDPModel(torch.nn.Module):
 
     model: a transformers 5 MoE model (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, OLMoE), on the
         CPU for the host backend; it is modified in place (its non-local experts are freed).
-    config: DWDPConfig; group_size None means the whole DWDP group passed in `group`.
+    config: DWDPConfig, or the path of one saved as JSON (`dwdp tune` writes one); group_size None
+        means the whole DWDP group passed in `group`.
     group: DWDPGroup; None joins the env:// world (torchrun) or, without one, a one-rank group.
     expert_source: where this rank's local experts come from; None reads them from the model's
         stacked parameters. A loader passes one that reads only local experts from a checkpoint,
@@ -80,13 +82,15 @@ class DWDPModel(torch.nn.Module):
     def __init__(
         self,
         model: torch.nn.Module,
-        config: DWDPConfig | None = None,
+        config: DWDPConfig | str | os.PathLike | None = None,
         group: DWDPGroup | None = None,
         *,
         expert_source: ExpertSource | None = None,
         trace: str | None = None,
     ):
         super().__init__()
+        if isinstance(config, (str, os.PathLike)):
+            config = DWDPConfig.from_json(config)  # e.g. written by `dwdp tune`
         config = config or DWDPConfig()
         adapter, experts = find_experts(model)  # validates the model before any collective
         if group is None:
@@ -234,3 +238,13 @@ class DWDPModel(torch.nn.Module):
 
     def __exit__(self, *exc):
         self.close()
+
+    @classmethod
+    def from_pretrained(cls, path, config: DWDPConfig | None = None, group: DWDPGroup | None = None, *,
+                        dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> "DWDPModel":
+        """One rank built from the safetensors checkpoint directory `path`, reading only the dense
+        weights and this rank's local experts; see dwdp.loading.load_dwdp_model. The result has a
+        `load_report` (dwdp.loading.LoadReport) besides `memory`."""
+        from .loading import load_dwdp_model
+
+        return load_dwdp_model(path, config=config, group=group, dtype=dtype, device=device)

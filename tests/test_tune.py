@@ -1,0 +1,57 @@
+import json
+
+import pytest
+
+from dwdp.cli import main
+from dwdp.config import DWDPConfig
+from dwdp.tune import CopyMeasurement, recommend
+
+MIB = 1 << 20
+
+
+def _copies(gb_per_s: dict[int, float]) -> list[CopyMeasurement]:
+    return [CopyMeasurement(size, int(gbs * 1e9), 1.0) for size, gbs in gb_per_s.items()]
+
+
+def test_smallest_slice_within_5_percent_and_fewest_hiding_local_experts():
+    copies = _copies({65536: 8.0, 262144: 9.6, 1 << 20: 10.0})
+    # 16 experts of 1 MB; compute 0.5 ms hides (16 - L) MB at 9.6 GB/s when L >= 12 (4 MB -> 0.42 ms).
+    rec = recommend(16, 10**6, 4, 4, 0, copies, t_compute_s=0.5e-3, memory_budget=1 << 40, inflight=2)
+    assert rec.config.slice_bytes == 262144
+    assert rec.config.num_local_experts == 12 and rec.hidden and rec.config.num_buffers == 2
+    assert rec.t_prefetch_s == pytest.approx(4e6 / 9.6e9)
+
+
+@pytest.mark.parametrize("budget, local, buffers", [
+    (49 * 10**6, 8, 2),   # 4 layers x 8 local + 2 slots x 8 remote = 48 MB; 9 local would need 50 MB
+    (63 * 10**6, 15, 3),  # 15 local with 3 slots of 1 remote = 63 MB fits; 16 local would need 64 MB
+])
+def test_exposed_prefetch_takes_the_most_local_experts_that_fit(budget, local, buffers):
+    copies = _copies({1 << 20: 1.0})
+    rec = recommend(16, 10**6, 4, 4, 0, copies, t_compute_s=1e-6, memory_budget=budget, inflight=2)
+    assert not rec.hidden
+    assert (rec.config.num_local_experts, rec.config.num_buffers) == (local, buffers), rec
+    assert rec.resident_bytes <= budget
+
+
+def test_budget_too_small_is_a_clear_error():
+    with pytest.raises(ValueError, match="num_local_experts=4 needs"):
+        recommend(16, 10**6, 4, 4, 0, _copies({1 << 20: 1.0}), 1e-3, memory_budget=10**6, inflight=2)
+
+
+@pytest.mark.timeout(120)
+def test_tune_end_to_end_on_a_tiny_model(tmp_path):
+    out, report = tmp_path / "tuned.json", tmp_path / "report.json"
+    code = main(["tune", "--family", "mixtral", "--group-size", "2", "--max-num-tokens", "32",
+                 "--slice-sizes", "4096,65536", "--repeats", "1", "--out", str(out), "--report", str(report)])
+    assert code == 0
+    config = DWDPConfig.from_json(out)
+    assert config.group_size == 2 and config.slice_bytes in (4096, 65536) and 4 <= config.num_local_experts <= 8
+    data = json.loads(report.read_text())
+    assert {c["slice_bytes"] for c in data["copies"]} == {4096, 65536}
+    assert all(c["gb_per_s"] > 0 for c in data["copies"]) and data["t_compute_s"] > 0
+
+
+def test_tune_rejects_bad_slice_sizes(tmp_path):
+    with pytest.raises(SystemExit, match="--slice-sizes='4k'"):
+        main(["tune", "--family", "mixtral", "--slice-sizes", "4k", "--out", str(tmp_path / "x.json")])
