@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("auto", "host", "cuda")
+EXPERTS_KERNELS = ("auto", "reference", "triton")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -28,6 +29,8 @@ class DWDPConfig:
     backend: transport backend, "auto" picks "cuda" for CUDA models and "host" otherwise.
     wait_timeout_s: longest a rank waits for one layer's prefetch before raising.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
+    experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
+        GEMM, local experts first), or "auto": triton for CUDA models, reference otherwise.
     """
 
     group_size: int | None = None
@@ -37,6 +40,7 @@ class DWDPConfig:
     backend: str = "auto"
     wait_timeout_s: float = 60.0
     inflight: int = 2
+    experts_kernel: str = "auto"
 
     def __post_init__(self):
         if self.group_size is not None:
@@ -48,6 +52,8 @@ class DWDPConfig:
         _check_int("inflight", self.inflight, 1, 64)
         if self.backend not in BACKENDS:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        if self.experts_kernel not in EXPERTS_KERNELS:
+            raise ValueError(f"experts_kernel={self.experts_kernel!r} is not one of {EXPERTS_KERNELS}")
         timeout = self.wait_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
             raise ValueError(f"wait_timeout_s={timeout!r} must be a finite number of seconds > 0")

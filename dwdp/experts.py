@@ -39,6 +39,7 @@ class LayerRuntime:
     table_order: tuple[int, ...]     # expert id at each table position (inverse of position)
     tables: list[LayerTables]        # one per prefetch slot
     prefetcher: object               # dwdp.prefetch.Prefetcher
+    kernel_tables: list | None = None  # per slot (gate_up, down) ExpertWeightTable: the Triton path
 
 
 def _run_experts(module, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int, hi: int,
@@ -72,6 +73,14 @@ def dwdp_experts_forward(
     start = now_us() if recorder is not None else 0.0
     # Issue this layer's copy (if not already in flight) and the next layer's, before any compute.
     slot = prefetcher.begin(runtime.layer)
+    if runtime.kernel_tables is not None:
+        try:
+            result = _fused_experts(runtime, slot, hidden_states, top_k_index, top_k_weights)
+        finally:
+            prefetcher.release(slot)
+        if recorder is not None:
+            recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
+        return result
     try:
         table_pos = runtime.position[top_k_index.reshape(-1)]                # [S]
         sorted_pos, perm = torch.sort(table_pos, stable=True)                # [S]
@@ -99,6 +108,32 @@ def dwdp_experts_forward(
     if recorder is not None:
         recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
     return result
+
+
+def _fused_experts(runtime: LayerRuntime, slot: int, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """One layer through the Triton multi-buffer kernel: local experts' launch first, then the wait
+    for this slot's copies, then the remote experts' launch."""
+    from .kernels import moe_experts
+
+    gate_up, down = runtime.kernel_tables[slot]
+
+    def wait_for_remote() -> None:
+        runtime.prefetcher.wait(runtime.layer, slot)
+
+    out = moe_experts(hidden_states.contiguous(), runtime.position[top_k_index], top_k_weights, gate_up, down,
+                      split_at=runtime.num_local, on_local_done=wait_for_remote)
+    runtime.prefetcher.wait(runtime.layer, slot)  # no-op when the kernel already waited
+    return out
+
+
+def uses_default_swiglu(module: torch.nn.Module) -> bool:
+    """True when the experts apply silu(gate) * up, the epilogue the fused kernel implements."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    act = module.act_fn
+    is_silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+    return apply_gate is _default_apply_gate and is_silu
 
 
 def register_experts_implementation() -> None:

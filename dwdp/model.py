@@ -59,6 +59,21 @@ def _stacked_source(adapter, modules: dict) -> ExpertSource:
     return read
 
 
+def _choose_experts_kernel(requested: str, device: torch.device, experts) -> str:
+    """"triton" for CUDA models whose experts are plain SwiGLU, "reference" otherwise; an explicit
+    "triton" that cannot work is an error, not a silent fallback."""
+    from .experts import uses_default_swiglu
+
+    plain = all(uses_default_swiglu(m) for _, m in experts)
+    if requested == "triton":
+        if not plain:
+            raise ValueError("experts_kernel='triton' needs silu(gate) * up experts; this model's differ")
+        return "triton"
+    if requested == "auto" and device.type == "cuda" and plain:
+        return "triton"
+    return "reference"
+
+
 def _dense_bytes(model: torch.nn.Module, skip: set[int]) -> int:
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors if id(t) not in skip)
@@ -165,10 +180,18 @@ class DWDPModel(torch.nn.Module):
         table_order = list(placement.local_experts(group.rank)) + remote_order
         position = torch.empty(num_experts, dtype=torch.long)
         position[torch.tensor(table_order)] = torch.arange(num_experts)
+        self.experts_kernel = _choose_experts_kernel(config.experts_kernel, device, experts)
         for layer, module in enumerate(self.experts_modules):
             tables = [self._layer_tables(module, slots, buf, shapes, dtype) for buf in slot_buffers]
+            kernel_tables = None
+            if self.experts_kernel == "triton":
+                from .kernels import expert_weight_table
+
+                kernel_tables = [(expert_weight_table(t.gate_up, name="gate_up"),
+                                  expert_weight_table(t.down, name="down")) for t in tables]
             module._dwdp_runtime = LayerRuntime(
-                layer, placement.num_local_experts, position, tuple(table_order), tables, self.prefetcher
+                layer, placement.num_local_experts, position, tuple(table_order), tables, self.prefetcher,
+                kernel_tables,
             )
 
         register_experts_implementation()
