@@ -60,7 +60,8 @@ def main() -> None:
     out = RESULTS / f"trace_overhead_{device_tag()}.json"
     out.write_text(json.dumps({"ranks": args.ranks, "rounds": args.rounds, "max_len": args.max_len,
                                "model": DEMO_MODEL, "rows": rows}, indent=2) + "\n")
-    print(f"{'rank':>4}  {'tokens':>6}  {'off ms':>8}  {'on ms':>8}  {'on/off':>7}  {'off spread ms':>13}  {'events':>7}")
+    print(f"{'rank':>4}  {'tokens':>6}  {'off ms':>8}  {'on ms':>8}  {'on/off':>7}  {'off spread ms':>13}  "
+          f"{'events':>7}")
     for r in rows:
         print(f"{r['rank']:>4}  {r['tokens']:>6}  {r['off_ms']:>8.2f}  {r['on_ms']:>8.2f}  {r['ratio_on_off']:>7.3f}  "
               f"{r['off_spread_ms']:>13.2f}  {r['events_recorded']:>7}")

@@ -15,7 +15,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dwdp", description="Distributed Weight Data Parallelism for MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run a local DWDP group on a tiny model and check it against the unwrapped model")
+    demo = sub.add_parser("demo", help="run a local DWDP group on a tiny model, checked against the unwrapped model")
     demo.add_argument("--ranks", type=_positive_int, default=4, help="processes in the DWDP group (default 4)")
     demo.add_argument("--prompts", type=_positive_int, default=3, help="prompts per rank (default 3)")
     demo.add_argument("--max-len", type=_positive_int, default=64, help="longest prompt in tokens (default 64)")

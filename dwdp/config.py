@@ -14,7 +14,8 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}={value!r} must be an int in [{low}, {high if high is not None else 'inf'}]")
     if value < low or (high is not None and value > high):
-        raise ValueError(f"{name}={value} is out of range: expected {low} <= {name} <= {high if high is not None else 'inf'}")
+        upper = high if high is not None else "inf"
+        raise ValueError(f"{name}={value} is out of range: expected {low} <= {name} <= {upper}")
 
 
 @dataclass(frozen=True)

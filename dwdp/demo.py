@@ -73,7 +73,8 @@ def format_table(rows: list[dict]) -> str:
         ))
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*line) for line in lines])
+    rule = fmt.format(*("-" * w for w in widths))
+    return "\n".join([fmt.format(*header), rule] + [fmt.format(*line) for line in lines])
 
 
 def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int = 1 << 20, repeats: int = 3,

@@ -21,7 +21,7 @@ from .adapters import find_experts
 from .config import DWDPConfig
 from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, register_experts_implementation
 from .group import DWDPGroup, init_group
-from .placement import Placement, build_placement
+from .placement import build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
 from .prefetch import Prefetcher
 from .tracing import TraceRecorder, attach_phase_hooks

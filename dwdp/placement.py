@@ -71,7 +71,8 @@ def build_placement(num_experts: int, group_size: int, num_local_experts: int | 
     lowest = min_local_experts(num_experts, group_size)
     if num_local_experts is None:
         num_local_experts = lowest
-    if isinstance(num_local_experts, bool) or not isinstance(num_local_experts, int) or not lowest <= num_local_experts <= num_experts:
+    is_int = isinstance(num_local_experts, int) and not isinstance(num_local_experts, bool)
+    if not is_int or not lowest <= num_local_experts <= num_experts:
         raise ValueError(
             f"num_local_experts={num_local_experts!r} must be in [{lowest}, {num_experts}] for "
             f"{num_experts} experts over group_size={group_size} (fewer would leave experts with no owner)"

@@ -2,14 +2,14 @@
 
 MoE layers are visited in a cycle 0, 1, ..., M-1, 0, 1, ... across forwards; visit n uses slot
 n % B. At visit n the rank issues the copies of the next B - 1 layers into the other slots (those
-not already there), waits for its own slot, computes, and releases it. A copy into a slot that compute still reads is deferred until that
-slot is released (the host analogue of a copy stream waiting on the consumer's event), so a slot
-is never overwritten under a reader. A slot that already holds the wanted layer is reused.
+not already there), waits for its own slot, computes, and releases it. A copy into a slot that
+compute still reads is deferred until that slot is released (the host analogue of a copy stream
+waiting on the consumer's event), so a slot is never overwritten under a reader. A slot that
+already holds the wanted layer is reused.
 """
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 
 import torch

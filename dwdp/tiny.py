@@ -32,7 +32,8 @@ def tiny_config(family: str, *, hidden: int = 32, intermediate: int = 48, num_ex
         cls = Qwen2MoeConfig
     elif family == "deepseek_v3":
         # MLA attention (every head its own KV), one dense layer first, grouped top-k routing.
-        cfg = dict(common, num_key_value_heads=4, moe_intermediate_size=intermediate, intermediate_size=2 * intermediate,
+        cfg = dict(common, num_key_value_heads=4, moe_intermediate_size=intermediate,
+                   intermediate_size=2 * intermediate,
                    n_routed_experts=num_experts, n_shared_experts=1, first_k_dense_replace=1,
                    n_group=2 if num_experts % 2 == 0 else 1, topk_group=1, q_lora_rank=hidden // 2,
                    kv_lora_rank=hidden // 2, qk_nope_head_dim=hidden // 4, qk_rope_head_dim=hidden // 4,

@@ -51,7 +51,9 @@ def _transport_rank(rank: int, num_experts: int, slice_bytes: int, inflight: int
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("num_experts, nprocs, slice_bytes, inflight", [(8, 3, 1500, 2), (6, 2, 1 << 20, 1), (9, 4, 777, 4)])
+@pytest.mark.parametrize(
+    "num_experts, nprocs, slice_bytes, inflight", [(8, 3, 1500, 2), (6, 2, 1 << 20, 1), (9, 4, 777, 4)]
+)
 def test_host_copies_match_reference_bit_exact(tmp_path, num_experts, nprocs, slice_bytes, inflight):
     results = launch_local(
         _transport_rank, nprocs, (num_experts, slice_bytes, inflight), timeout_s=100,

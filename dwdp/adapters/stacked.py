@@ -29,7 +29,9 @@ class StackedExpertsAdapter:
         }
         for quirk, (value, expected) in quirks.items():
             if value != expected:
-                raise ValueError(f"{name}: {self.family} experts with {quirk}={value} are not supported (expected {expected})")
+                raise ValueError(
+                    f"{name}: {self.family} experts with {quirk}={value} are not supported (expected {expected})"
+                )
         for t in TENSOR_NAMES:
             p = getattr(module, t, None)
             if not isinstance(p, torch.Tensor) or p.dim() != 3 or p.shape[0] != module.num_experts:
