@@ -75,7 +75,7 @@ def time_shares(copies: list[Copy]) -> dict[int, float]:
             if cursor is not None and t > cursor:
                 k = sum(1 for n in active.values() if n > 0)
                 if k:
-                    weight[k] += k * (t - cursor)  # k pulls, each seeing degree k
+                    weight[k] += sum(active.values()) * (t - cursor)  # every pull in flight sees degree k
             cursor = t
             active[dst] += delta
     total_weight = sum(weight.values())

@@ -101,7 +101,7 @@ def _read(path: Path, conn: sqlite3.Connection) -> Trace:
         for start, tid, corr in conn.execute("SELECT start, globalTid, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
             launches[(_pid(tid), corr)] = (tid, start)
 
-    device_work = []  # (device, launch thread, launch time ns, start ns, end ns)
+    device_work = []  # kernels and copies: (device, launch thread, launch time ns, start ns, end ns)
     pid_devices: dict = defaultdict(set)
     kernel_streams = set()
     if schema.has("CUPTI_ACTIVITY_KIND_KERNEL"):
@@ -122,8 +122,13 @@ def _read(path: Path, conn: sqlite3.Connection) -> Trace:
     if schema.has("CUPTI_ACTIVITY_KIND_MEMCPY"):
         m = "CUPTI_ACTIVITY_KIND_MEMCPY"
         rows = conn.execute(f"SELECT t.start, t.end, t.deviceId, t.streamId, t.bytes, t.copyKind, "
-                            f"{schema.col(m, 'srcDeviceId')}, {schema.col(m, 'dstDeviceId')} FROM {m} AS t")
-        for start, end, device, stream, nbytes, copy_kind, src, dst in rows:
+                            f"{schema.col(m, 'srcDeviceId')}, {schema.col(m, 'dstDeviceId')}, "
+                            f"{schema.col(m, 'correlationId')}, {schema.col(m, 'globalPid')} FROM {m} AS t")
+        for start, end, device, stream, nbytes, copy_kind, src, dst, corr, gpid in rows:
+            launch = launches.get((_pid(gpid), corr))
+            # Copy-stream copies overlap the forward (a prefetch may outlive it): they do not bound iterations.
+            if launch is not None and (device, stream) in kernel_streams:
+                device_work.append((device, launch[0], launch[1], start, end))
             src = device if src is None else src
             dst = (device if copy_kind != 10 else -1) if dst is None else dst
             kind = "P2P" if copy_kind == 10 or src != dst else _COPY_KINDS.get(copy_kind, "other")
