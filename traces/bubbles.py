@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     total_iter = sum(r.dur for r in rows)
     print(f"{trace.source} ({trace.format}): bubbles {ms(total_bubble / len(rows))} ms per iteration, "
           f"{pct(total_bubble / total_iter if total_iter else 0.0)} of iteration time")
-    print(format_table(["rank", "iteration", "iteration ms", "bubble ms", "share", "waits > 0"],
+    print(format_table(["rank", "iteration", "iteration ms", "bubble ms", "share", "waits"],
                        [[str(r.rank), str(r.iteration), ms(r.dur), ms(r.bubble_us), pct(r.fraction), str(r.count)]
                         for r in rows]))
     print()

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run", help="trace directory, .sqlite export or torch.profiler .json")
     parser.add_argument("--threshold-ms", type=float, default=0.05,
                         help="a layer's wait above this, while its sources served other ranks, is flagged")
+    parser.add_argument("--top", type=int, default=20, help="flagged layers to print, longest wait first (JSON has all)")
     parser.add_argument("--json", metavar="OUT", help="write the numbers here")
     args = parser.parse_args(argv)
     try:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result = measure_contention(trace)
-    flagged = contended_waits(trace, args.threshold_ms * 1e3)
+    flagged = sorted(contended_waits(trace, args.threshold_ms * 1e3), key=lambda f: -f.episode.wait_us)
 
     num_copies = sum(result.copies_by_degree.values())
     degrees = sorted(set(result.copies_by_degree) | set(result.expected))
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                for s, h in result.per_source.items()]
     waits = [[str(f.episode.rank), str(f.episode.iteration), str(f.episode.layer), ms(f.episode.wait_us),
               "; ".join(f"src {s} also -> {sorted(d)}" for s, d in sorted(f.sources.items())), str(f.max_degree)]
-             for f in flagged]
+             for f in flagged[: args.top]]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"source": trace.source, "format": trace.format, "threshold_ms": args.threshold_ms,
@@ -57,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(format_table(["source rank", "copies served", "mean C", "max C"], sources))
     print()
-    print(f"layers whose wait > {args.threshold_ms} ms coincided with another rank pulling from the same source: {len(flagged)}")
+    print(f"layers whose wait > {args.threshold_ms} ms coincided with another rank pulling from the same source: "
+          f"{len(flagged)} (longest {len(waits)} below)")
     if waits:
         print(format_table(["rank", "iteration", "layer", "wait ms", "contended sources", "max C"], waits))
     return 0
