@@ -352,7 +352,7 @@ def demo_traces(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo_traces")
     cmd = [sys.executable, "-m", "dwdp", "demo", "--ranks", "4", "--trace", str(out), "--prompts", "1",
            "--max-len", "16", "--repeats", "1"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=REPO)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=170, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 
@@ -382,3 +382,10 @@ def test_demo_breakdown_sums_to_iteration(demo_traces):
         assert row.categories["GroupedGEMM"] > 0 and row.categories["Attention"] > 0, row.categories
     result = measure_contention(load_trace(demo_traces))
     assert sum(result.copies_by_degree.values()) > 0 and max(result.copies_by_degree) <= 3, result.copies_by_degree
+
+
+def test_demo_scripts_run(demo_traces, tmp_path):
+    for name in ("breakdown", "contention", "bubbles", "timeline"):
+        extra = ["-o", str(tmp_path / "t.png")] if name == "timeline" else []
+        assert _script(name).main([str(demo_traces), "--json", str(tmp_path / f"{name}.json")] + extra) == 0, name
+    assert (tmp_path / "t.png").stat().st_size > 10_000

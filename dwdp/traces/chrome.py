@@ -47,7 +47,7 @@ def read_json(path: Path) -> dict:
     return doc
 
 
-def _complete_events(path: Path, doc: dict) -> list[dict]:
+def complete_events(path: Path, doc: dict) -> list[dict]:
     """The "X" (complete) events, each checked for a name, a finite ts and a dur >= 0."""
     out = []
     for i, event in enumerate(doc["traceEvents"]):
@@ -87,7 +87,7 @@ def read_dwdp_chrome(path: Path, doc: dict | None = None) -> tuple[RankTrace, di
     """One `trace_rank{r}.json` -> (its RankTrace, its otherData)."""
     path = Path(path)
     doc = read_json(path) if doc is None else doc
-    events = _complete_events(path, doc)
+    events = complete_events(path, doc)
     other = doc.get("otherData") if isinstance(doc.get("otherData"), dict) else {}
     rank = other.get("rank")
     if rank is None:
@@ -139,7 +139,7 @@ def read_torch_profiler(path: Path, doc: dict | None = None) -> RankTrace:
     """
     path = Path(path)
     doc = read_json(path) if doc is None else doc
-    events = _complete_events(path, doc)
+    events = complete_events(path, doc)
     info = doc.get("distributedInfo") if isinstance(doc.get("distributedInfo"), dict) else {}
     match = _RANK_IN_NAME.search(path.name)
     rank = info.get("rank") if isinstance(info.get("rank"), int) else int(match.group(1)) if match else 0

@@ -1,7 +1,7 @@
 """Interval arithmetic on (start, end) pairs: unions, clipping, complements, a priority tiling."""
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 
 def union(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:

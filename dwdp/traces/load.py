@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .chrome import _complete_events, is_torch_profiler, read_dwdp_chrome, read_json, read_torch_profiler
+from .chrome import (
+    complete_events,
+    is_torch_profiler,
+    read_dwdp_chrome,
+    read_json,
+    read_torch_profiler,
+)
 from .model import RankTrace, Trace, TraceFormatError
 from .nsys import read_nsys_sqlite
 
@@ -45,7 +51,7 @@ def _load_json_files(source: Path, files: list[Path]) -> Trace:
     formats = set()
     for f in files:
         doc = read_json(f)
-        if is_torch_profiler(_complete_events(f, doc)):
+        if is_torch_profiler(complete_events(f, doc)):
             formats.add("torch-profiler")
             rank_trace, other = read_torch_profiler(f, doc), {}
         else:

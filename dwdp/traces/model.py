@@ -6,8 +6,9 @@ run: a `RankTrace` per rank (our files: one per rank; Nsight: one per CUDA devic
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 
 class TraceFormatError(ValueError):

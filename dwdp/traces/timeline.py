@@ -6,21 +6,19 @@ Hidden prefetch reads as: red marks absent or hair-thin, copy rows busy under th
 from __future__ import annotations
 
 import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from .breakdown import category_segments, rank_items  # noqa: E402
-from .model import Trace  # noqa: E402
-from .rules import SYNCHRONIZATION, CategoryRules, load_rules  # noqa: E402
-from .waits import exposed_waits, total_exposed  # noqa: E402
+from .breakdown import category_segments, rank_items
+from .model import Trace
+from .rules import SYNCHRONIZATION, CategoryRules, load_rules
+from .waits import exposed_waits, total_exposed
 
 CATEGORY_COLORS = {
     "Attention": "#4c72b0", "GroupedGEMM": "#55a868", "DenseGEMM": "#8172b2", "Communication": "#ccb974",
     "D2D copy": "#64b5cd", "P2P copy": "#937860", "Others": "#d0d0d0", SYNCHRONIZATION: "#d62728",
 }
-SOURCE_COLORS = plt.get_cmap("Set2").colors
+SOURCE_COLORS = matplotlib.colormaps["Set2"].colors
 COMPUTE_HEIGHT, COPY_HEIGHT, GAP = 0.8, 0.45, 0.5
 
 
@@ -39,7 +37,9 @@ def plot_timeline(trace: Trace, skip: int = 0, max_iterations: int | None = None
     t0, t1 = min(w.start for w in spans), max(w.end for w in spans)
     lanes = {rank: sorted({c.lane for c in r.copies if not c.is_critical}) for rank, r in trace.ranks.items()}
     rows = sum(1 + len(v) for v in lanes.values())
-    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.55 * rows + 0.3 * len(lanes)))
+    # A bare Figure (no pyplot): drawing to a PNG needs no GUI backend and leaves the caller's alone.
+    fig = Figure(figsize=(13, 1.0 + 0.55 * rows + 0.3 * len(lanes)))
+    ax = fig.subplots()
     y, ticks, labels, sources, used = 0.0, [], [], set(), set()
     for rank, r in trace.ranks.items():
         items = rank_items(trace, rank, rules)
