@@ -37,6 +37,26 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--repeats", type=_positive_int, default=3)
     tune.add_argument("--out", default="dwdp_tuned.json", help="where to write the recommended DWDPConfig")
     tune.add_argument("--report", metavar="JSON", help="also write the measurements and the reasoning here")
+    serve = sub.add_parser("serve", help="context server: one independent prefill worker per DWDP rank, behind a "
+                           "least-outstanding-tokens router (FastAPI)")
+    served = serve.add_mutually_exclusive_group()
+    served.add_argument("--model", metavar="PATH", help="safetensors checkpoint directory, loaded per rank")
+    served.add_argument("--preset", choices=("tiny",), default="tiny", help="random-weight model (default tiny)")
+    serve.add_argument("--ranks", type=_positive_int, default=2, help="worker processes / DWDP ranks (default 2)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
+    serve.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory for text prompts (default: --model)")
+    serve.add_argument("--max-num-tokens", type=_positive_int, default=1024,
+                       help="padded tokens per forward and longest prompt; longer prompts get 400 (default 1024)")
+    serve.add_argument("--max-queue-tokens", type=_positive_int, default=8192,
+                       help="prompt tokens queued or running per worker before 429 (default 8192)")
+    serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (1 MiB)")
+    serve.add_argument("--kv-dir", metavar="DIR", help="where KV artifacts go (default: a temporary directory "
+                       "removed at shutdown)")
+    serve.add_argument("--slice-bytes", type=_positive_int, default=1 << 20, help="copy slice size (default 1 MiB)")
+    serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
+    serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
     return parser
 
 
@@ -78,6 +98,18 @@ def main(argv: list[str] | None = None) -> int:
                         args.trace)
     if args.command == "tune":
         return _tune(args)
+    if args.command == "serve":
+        from .serve import ServeConfig, run_server
+
+        try:
+            config = ServeConfig(
+                ranks=args.ranks, host=args.host, port=args.port, model=args.model, preset=args.preset, seed=args.seed,
+                tokenizer=args.tokenizer, max_num_tokens=args.max_num_tokens, max_queue_tokens=args.max_queue_tokens,
+                max_body_bytes=args.max_body_bytes, kv_dir=args.kv_dir, slice_bytes=args.slice_bytes,
+                threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout)
+        except ValueError as exc:
+            raise SystemExit(f"dwdp serve: {exc}") from None
+        return run_server(config)
     raise AssertionError(args.command)
 
 

@@ -1,0 +1,207 @@
+"""The router's HTTP API (FastAPI): /v1/prefill, /v1/completions, /v1/models, /health, /metrics.
+
+Every error is JSON in the OpenAI shape {"error": {"message", "type", "param", "code"}}, with
+`param` naming the request field at fault; 429 and 503 carry Retry-After.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from .errors import ServeError
+from .metrics import CONTENT_TYPE, ServeMetrics
+from .schemas import CompletionRequest, PrefillRequest
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for bodies over `max_bytes`, by Content-Length or while streaming in,
+    before anything is parsed or buffered beyond the limit."""
+
+    class _TooLarge(Exception):
+        pass
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await self._reject(send, int(declared))
+        seen, too_large = 0, False
+
+        async def limited():
+            nonlocal seen, too_large
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:
+                too_large = True
+                raise self._TooLarge()
+            return message
+
+        async def guarded(message):
+            if not too_large:  # the app may turn our exception into its own error; ours wins
+                await send(message)
+
+        try:
+            await self.app(scope, limited, guarded)
+        except self._TooLarge:
+            pass
+        if too_large:
+            await self._reject(send, seen)
+
+    async def _reject(self, send, size: int) -> None:
+        error = ServeError(413, "request_too_large", f"request body of {size} bytes or more is over the limit "
+                           f"of {self.max_bytes} bytes", param="body")
+        await JSONResponse(error.body(), status_code=413)({"type": "http"}, _no_body, send)
+
+
+async def _no_body():
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+def _param(loc) -> str:
+    """The request field a validation error points at: ("body", "input_ids", 2) -> "input_ids"."""
+    fields = [str(p) for p in loc if p != "body"]
+    return fields[0] if fields else "body"
+
+
+def create_app(pool, config, tokenizer=None) -> FastAPI:
+    """The router app over a started WorkerPool. `pool.model_info` gives the vocabulary and the
+    longest position; prompts longer than config.max_num_tokens are rejected, not chunked."""
+    app = FastAPI(title="dwdp context server", version="0.1.0")
+    metrics = ServeMetrics(pool)
+    app.state.metrics = metrics
+    vocab = pool.model_info["vocab_size"]
+    max_prompt = min(config.max_num_tokens, pool.model_info["max_position_embeddings"])
+
+    def fail(error: ServeError) -> JSONResponse:
+        metrics.error(error.error_type)
+        headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+    @app.exception_handler(ServeError)
+    async def _serve_error(request: Request, exc: ServeError):
+        return fail(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            return fail(ServeError(400, "invalid_json", f"request body is not valid JSON: {first.get('msg')}",
+                                   param="body"))
+        param = _param(first.get("loc", ()))
+        messages = "; ".join(f"{_param(e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
+        return fail(ServeError(400, "invalid_request_error", messages, param=param))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return fail(ServeError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+
+    def check_ids(ids: list[int], field: str) -> list[int]:
+        if not ids:
+            raise ServeError(400, "invalid_request_error", f"{field} is empty: give at least one token", param=field)
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise ServeError(400, "invalid_request_error",
+                                 f"{field}[{i}]={token} is outside the vocabulary [0, {vocab})", param=field)
+        if len(ids) > max_prompt:
+            raise ServeError(400, "context_length_exceeded", f"{field} has {len(ids)} tokens; this server takes "
+                             f"at most {max_prompt} per prompt (max_num_tokens, not chunked)", param=field)
+        return ids
+
+    def tokenize(text: str, field: str) -> list[int]:
+        if tokenizer is None:
+            raise ServeError(400, "invalid_request_error", f"{field} is text but this server has no tokenizer; "
+                             "send token ids", param=field)
+        return check_ids(tokenizer.encode(text, add_special_tokens=True), field)
+
+    async def prefill(ids: list[int]):
+        """(PrefillResult, ttft seconds) of one validated prompt."""
+        arrival = time.monotonic()
+        result = await pool.submit(ids)
+        ttft = time.monotonic() - arrival
+        metrics.observe(result, ttft)
+        return result, ttft
+
+    def timing(result, ttft: float) -> dict:
+        return {"queue_s": result.queue_s, "prefill_s": result.prefill_s, "kv_write_s": result.kv_write_s,
+                "ttft_s": ttft, "batch_size": result.batch_size, "batch_tokens": result.batch_tokens,
+                "prefetch_wait_s": result.prefetch_wait_s}
+
+    @app.post("/v1/prefill")
+    async def v1_prefill(body: PrefillRequest):
+        if body.input_ids is not None and body.prompt is not None:
+            raise ServeError(400, "invalid_request_error", "give input_ids or prompt, not both", param="prompt")
+        if body.input_ids is not None:
+            ids = check_ids(body.input_ids, "input_ids")
+        elif body.prompt is not None:
+            ids = tokenize(body.prompt, "prompt")
+        else:
+            raise ServeError(400, "invalid_request_error", "input_ids is missing (or give prompt text)",
+                             param="input_ids")
+        result, ttft = await prefill(ids)
+        return {"id": result.request_id, "object": "prefill", "model": config.model_name, "rank": result.rank,
+                "first_token_id": result.first_token_id, "prompt_tokens": result.prompt_tokens,
+                "timing": timing(result, ttft), "kv": result.kv}
+
+    @app.post("/v1/completions")
+    async def v1_completions(body: CompletionRequest):
+        if body.model != config.model_name:
+            raise ServeError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
+                             f"{config.model_name!r}", param="model")
+        if body.max_tokens != 1:
+            raise ServeError(400, "invalid_request_error", f"max_tokens={body.max_tokens}: a context (prefill) "
+                             "server returns exactly one token; send max_tokens=1", param="max_tokens")
+        for name, value, allowed in (("stream", body.stream, False), ("echo", body.echo, False), ("n", body.n, 1),
+                                     ("logprobs", body.logprobs, None)):
+            if value != allowed:
+                raise ServeError(400, "invalid_request_error", f"{name}={value!r} is not supported by this "
+                                 f"prefill server (only {allowed!r})", param=name)
+        prompt = body.prompt
+        if isinstance(prompt, str):
+            prompts = [tokenize(prompt, "prompt")]
+        elif not prompt:
+            raise ServeError(400, "invalid_request_error", "prompt is empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            prompts = [check_ids(prompt, "prompt")]
+        else:
+            prompts = [tokenize(p, f"prompt.{i}") if isinstance(p, str) else check_ids(p, f"prompt.{i}")
+                       for i, p in enumerate(prompt)]
+        answers = await asyncio.gather(*(prefill(ids) for ids in prompts))
+        choices, kv, usage = [], [], 0
+        for index, (result, ttft) in enumerate(answers):
+            text = tokenizer.decode([result.first_token_id]) if tokenizer is not None else ""
+            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": "length",
+                            "token_ids": [result.first_token_id], "rank": result.rank,
+                            "timing": timing(result, ttft)})
+            kv.append({"request_id": result.request_id, **result.kv})
+            usage += result.prompt_tokens
+        return {"id": f"cmpl-{answers[0][0].request_id.removeprefix('pf-')}", "object": "text_completion",
+                "created": int(time.time()), "model": config.model_name, "choices": choices,
+                "usage": {"prompt_tokens": usage, "completion_tokens": len(choices),
+                          "total_tokens": usage + len(choices)},
+                "kv_transfer_params": {"kv_artifacts": kv}}
+
+    @app.get("/v1/models")
+    async def v1_models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "dwdp"}]}
+
+    @app.get("/health")
+    async def health():
+        snap = pool.snapshot()
+        snap["model"] = {"name": config.model_name, **pool.model_info}
+        return JSONResponse(snap, status_code=200 if snap["status"] in ("ok", "degraded") else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

@@ -1,0 +1,80 @@
+"""ServeConfig: the knobs of one context server (router + one prefill worker per DWDP rank)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PRESETS = ("tiny",)
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an int >= {low}")
+
+
+def _check_seconds(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{name}={value!r} must be a finite number of seconds > 0")
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """Settings of `dwdp serve`.
+
+    ranks: worker processes, all in one DWDP group (each an independent prefill worker).
+    model: checkpoint directory loaded per rank with DWDPModel.from_pretrained; None = `preset`.
+    preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model), seeded by `seed`.
+    tokenizer: directory of a tokenizer for text prompts (default: `model` when it has one).
+    max_num_tokens: padded tokens per forward (batch size x longest prompt); also the longest
+        prompt accepted: longer prompts are rejected with 400, not chunked.
+    max_queue_tokens: prompt tokens one worker may hold (queued + running) before the router
+        answers 429; bounds the memory of every queue.
+    max_body_bytes: largest request body; bigger ones get 413 before they are parsed.
+    kv_dir: where each request's KV cache is written as `<request id>.safetensors` (None: a
+        temporary directory removed at shutdown).
+    slice_bytes: DWDP copy slice size of every worker.
+    threads_per_worker: torch intra-op threads of each worker.
+    startup_timeout_s: longest wait for every worker to build its model and join the group.
+    drain_timeout_s: longest graceful shutdown waits for requests in flight.
+    """
+
+    ranks: int = 2
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = None
+    preset: str = "tiny"
+    seed: int = 0
+    tokenizer: str | None = None
+    max_num_tokens: int = 1024
+    max_queue_tokens: int = 8192
+    max_body_bytes: int = 1 << 20
+    kv_dir: str | None = None
+    slice_bytes: int = 1 << 20
+    threads_per_worker: int = 1
+    startup_timeout_s: float = 300.0
+    drain_timeout_s: float = 30.0
+
+    def __post_init__(self):
+        _check_int("ranks", self.ranks, 1)
+        _check_int("port", self.port, 0)
+        if self.port > 65535:
+            raise ValueError(f"port={self.port} must be <= 65535")
+        if self.model is None and self.preset not in PRESETS:
+            raise ValueError(f"preset={self.preset!r} is not one of {PRESETS}")
+        _check_int("seed", self.seed, 0)
+        _check_int("max_num_tokens", self.max_num_tokens, 1)
+        _check_int("max_queue_tokens", self.max_queue_tokens, 1)
+        if self.max_queue_tokens < self.max_num_tokens:
+            raise ValueError(f"max_queue_tokens={self.max_queue_tokens} must be >= max_num_tokens="
+                             f"{self.max_num_tokens}: a worker must be able to queue the longest prompt")
+        _check_int("max_body_bytes", self.max_body_bytes, 64)
+        _check_int("slice_bytes", self.slice_bytes, 1)
+        _check_int("threads_per_worker", self.threads_per_worker, 1)
+        _check_seconds("startup_timeout_s", self.startup_timeout_s)
+        _check_seconds("drain_timeout_s", self.drain_timeout_s)
+
+    @property
+    def model_name(self) -> str:
+        """The id clients pass as `model` to /v1/completions."""
+        if self.model is not None:
+            return self.model.rstrip("/").rsplit("/", 1)[-1]
+        return f"dwdp-{self.preset}"

@@ -1,0 +1,21 @@
+"""ServeError: every failure a client sees, with its HTTP status and an OpenAI-style error body."""
+from __future__ import annotations
+
+
+class ServeError(Exception):
+    """status: HTTP status; error_type: stable machine-readable kind (also the `type` label of the
+    errors metric); param: the request field at fault, if any; retry_after: seconds for the
+    Retry-After header of 429 / 503 answers."""
+
+    def __init__(self, status: int, error_type: str, message: str, *, param: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status = status
+        self.error_type = error_type
+        self.message = message
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.error_type, "param": self.param,
+                          "code": self.status}}

@@ -1,0 +1,77 @@
+"""Prometheus metrics of the router (text exposition at GET /metrics).
+
+Per-rank gauges are read from the pool at scrape time; latencies and errors are recorded as
+requests finish.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _PoolCollector:
+    """Exports the pool's per-rank state (queue depth, outstanding tokens, ...) at scrape time."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        snap = self.pool.snapshot()
+        gauges = {
+            "queue_depth": ("dwdp_serve_queue_depth", "requests waiting in a worker's queue", "queued"),
+            "running": ("dwdp_serve_running_requests", "requests in a worker's current forward", "running"),
+            "outstanding": ("dwdp_serve_outstanding_tokens", "prompt tokens queued or running on a worker",
+                            "outstanding_tokens"),
+            "up": ("dwdp_serve_worker_up", "1 while the worker is alive and serving", "alive"),
+        }
+        counters = {
+            "served": ("dwdp_serve_requests", "requests a worker answered", "served_requests"),
+            "tokens": ("dwdp_serve_prompt_tokens", "prompt tokens a worker prefilled", "served_tokens"),
+            "forwards": ("dwdp_serve_forwards", "batched forwards a worker ran", "forwards"),
+            "wait": ("dwdp_serve_prefetch_wait_seconds", "exposed expert-prefetch wait of a worker's forwards",
+                     "prefetch_wait_s"),
+        }
+        families = []
+        for name, doc, _ in gauges.values():
+            families.append(GaugeMetricFamily(name, doc, labels=["rank"]))
+        for name, doc, _ in counters.values():
+            families.append(CounterMetricFamily(name, doc, labels=["rank"]))
+        keys = [key for _, _, key in gauges.values()] + [key for _, _, key in counters.values()]
+        for worker in snap["workers"]:
+            for family, key in zip(families, keys):
+                family.add_metric([str(worker["rank"])], float(worker[key]))
+        yield from families
+        yield GaugeMetricFamily("dwdp_serve_tokens_per_second", "prompt tokens prefilled per second, all workers, "
+                                "averaged over the last 10 s", value=snap["tokens_per_s"])
+        yield GaugeMetricFamily("dwdp_serve_in_flight_requests", "admitted requests not answered yet",
+                                value=snap["in_flight"])
+        yield CounterMetricFamily("dwdp_serve_retried_requests", "queued requests moved off a dead worker",
+                                  value=snap["retried"])
+
+
+class ServeMetrics:
+    def __init__(self, pool):
+        self.registry = CollectorRegistry()
+        self.registry.register(_PoolCollector(pool))
+        self.ttft = Histogram("dwdp_serve_ttft_seconds", "arrival at the router -> first token answered",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.queue = Histogram("dwdp_serve_queue_seconds", "queued at the router -> forward started",
+                               buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.prefill = Histogram("dwdp_serve_prefill_seconds", "the forward a request ran in",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.errors = Counter("dwdp_serve_errors", "requests answered with an error, by type",
+                              ["type"], registry=self.registry)
+
+    def observe(self, result, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+        self.queue.observe(max(0.0, result.queue_s))
+        self.prefill.observe(result.prefill_s)
+
+    def error(self, error_type: str) -> None:
+        self.errors.labels(type=error_type).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,310 @@
+"""WorkerPool: the router's side of the workers, in the router process.
+
+Spawns one worker process per DWDP rank (one env:// world on a free loopback port), assigns each
+request to the least-loaded healthy worker, tracks every request from admission to answer, and
+notices dead workers: requests already running on one fail with a clear error (a prompt that
+killed one worker is not handed to the next), requests still waiting in its queue are handed to
+another worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import multiprocessing as mp
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from ..group import free_port
+from .config import ServeConfig
+from .errors import ServeError
+from .protocol import (STOP, BatchDone, BatchStarted, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
+                       WorkerReady)
+from .routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
+from .worker import worker_main
+
+THROUGHPUT_WINDOW_S = 10.0  # tokens/s is averaged over this many recent seconds
+RETRY_AFTER_S = 1
+
+
+class StartupError(RuntimeError):
+    """A worker failed (or did not finish) building its model and joining the group."""
+
+
+@dataclass
+class _Request:
+    job: PrefillJob
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    rank: int = -1
+    tried: set = field(default_factory=set)
+
+
+@dataclass
+class _Rank:
+    rank: int
+    process: mp.Process
+    requests: object                                   # its multiprocessing queue of PrefillJob
+    pid: int | None = None
+    is_ready: bool = False
+    is_alive: bool = True
+    exit_code: int | None = None
+    failure: str | None = None
+    queued: dict = field(default_factory=dict)          # request id -> _Request, not started yet
+    running: dict = field(default_factory=dict)         # request id -> _Request, in a forward
+    outstanding_tokens: int = 0
+    last_assigned: int = -1
+    served_requests: int = 0
+    served_tokens: int = 0
+    prefetch_wait_s: float = 0.0                        # exposed prefetch wait of its forwards
+    forwards: int = 0
+
+
+class WorkerPool:
+    def __init__(self, config: ServeConfig, kv_dir: str):
+        self.config = config
+        self.kv_dir = kv_dir
+        self.model_info: dict = {}
+        self._ctx = mp.get_context("spawn")
+        self._results = self._ctx.Queue()
+        self._ranks: list[_Rank] = []
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # readiness, deaths, requests finishing
+        self._sequence = itertools.count()
+        self._recent = collections.deque()               # (monotonic time, prompt tokens) of answers
+        self.num_retried = 0                             # requests moved off a dead worker's queue
+        self._is_draining = False
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Spawn the workers and the threads that read their answers and watch their health."""
+        port = free_port()
+        for rank in range(self.config.ranks):
+            requests = self._ctx.Queue()
+            process = self._ctx.Process(
+                target=worker_main, name=f"dwdp-serve-rank{rank}", daemon=False,
+                args=(rank, self.config.ranks, port, self.config, self.kv_dir, requests, self._results))
+            self._ranks.append(_Rank(rank, process, requests))
+        for r in self._ranks:
+            r.process.start()
+        for target in (self._read_results, self._watch_processes):
+            thread = threading.Thread(target=target, name=f"dwdp-router-{target.__name__}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def wait_ready(self) -> None:
+        """Block until every worker is serving; raises StartupError (naming the rank) otherwise."""
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        with self._changed:
+            while not all(r.is_ready for r in self._ranks):
+                broken = [r for r in self._ranks if not r.is_alive or r.failure]
+                if broken:
+                    r = broken[0]
+                    raise StartupError(f"worker rank {r.rank} failed during startup (exit code {r.exit_code}):\n"
+                                       f"{r.failure or 'no traceback (killed?)'}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    slow = [r.rank for r in self._ranks if not r.is_ready]
+                    raise StartupError(f"workers {slow} were not ready within {self.config.startup_timeout_s:.0f} s")
+                self._changed.wait(timeout=min(left, 0.5))
+
+    def close(self) -> None:
+        """Refuse new requests, let admitted ones finish (up to drain_timeout_s), then stop every
+        worker (STOP after its queue; terminate if it does not exit) and the helper threads."""
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        with self._changed:
+            self._is_draining = True
+            while self._requests and time.monotonic() < deadline:
+                self._changed.wait(timeout=0.1)
+            for r in self._ranks:
+                if r.is_alive:
+                    r.requests.put(STOP)
+        for r in self._ranks:
+            r.process.join(timeout=max(1.0, deadline - time.monotonic()) + 10.0)
+            if r.process.is_alive():
+                r.process.terminate()
+                r.process.join(timeout=5.0)
+                if r.process.is_alive():
+                    r.process.kill()
+                    r.process.join(timeout=5.0)
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        with self._lock:
+            left = list(self._requests.values())
+            self._requests.clear()
+        for req in left:
+            self._resolve(req, ServeError(503, "shutting_down", "the server stopped before this request finished",
+                                          retry_after=RETRY_AFTER_S))
+        for q in [r.requests for r in self._ranks] + [self._results]:
+            q.cancel_join_thread()  # a dead reader must not block our exit on unflushed data
+            q.close()
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, input_ids: list[int]) -> asyncio.Future:
+        """Admit one validated prompt and return a future of its PrefillResult (or ServeError).
+        Raises ServeError 429 when every queue is full and 503 when no worker can take it."""
+        loop = asyncio.get_running_loop()
+        job = PrefillJob(f"pf-{uuid.uuid4().hex}", tuple(input_ids), time.monotonic())
+        req = _Request(job, loop.create_future(), loop)
+        with self._lock:
+            if self._is_draining:
+                raise ServeError(503, "shutting_down", "the server is shutting down", retry_after=RETRY_AFTER_S)
+            self._assign_locked(req, self.config.max_queue_tokens)
+            self._requests[job.request_id] = req
+        return req.future
+
+    def _assign_locked(self, req: _Request, max_queue_tokens: float) -> None:
+        num_tokens = len(req.job.input_ids)
+        loads = [WorkerLoad(r.rank, r.is_alive and r.is_ready, r.outstanding_tokens, r.last_assigned)
+                 for r in self._ranks]
+        try:
+            rank = pick_worker(loads, num_tokens, max_queue_tokens, frozenset(req.tried))
+        except NoHealthyWorker as exc:
+            raise ServeError(503, "no_healthy_worker", str(exc), retry_after=RETRY_AFTER_S) from None
+        except Overloaded as exc:
+            raise ServeError(429, "overloaded", str(exc), retry_after=RETRY_AFTER_S) from None
+        r = self._ranks[rank]
+        req.rank = rank
+        req.tried.add(rank)
+        r.queued[req.job.request_id] = req
+        r.outstanding_tokens += num_tokens
+        r.last_assigned = next(self._sequence)
+        r.requests.put(req.job)
+
+    def _finish_locked(self, request_id: str):
+        """Forget a request everywhere; returns it (None if already finished)."""
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            r = self._ranks[req.rank]
+            if r.queued.pop(request_id, None) is not None or r.running.pop(request_id, None) is not None:
+                r.outstanding_tokens -= len(req.job.input_ids)
+            self._changed.notify_all()
+        return req
+
+    @staticmethod
+    def _resolve(req: _Request, outcome) -> None:
+        def settle():
+            if req.future.done():
+                return
+            if isinstance(outcome, BaseException):
+                req.future.set_exception(outcome)
+            else:
+                req.future.set_result(outcome)
+
+        try:
+            req.loop.call_soon_threadsafe(settle)
+        except RuntimeError:
+            pass  # the event loop is closed: nobody awaits this request any more
+
+    # -- helper threads ------------------------------------------------------------------------
+    def _read_results(self) -> None:
+        while not self._stop.is_set():
+            try:
+                msg = self._results.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            except (EOFError, OSError):
+                return
+            self._handle(msg)
+
+    def _handle(self, msg) -> None:
+        outcome, req = None, None
+        with self._changed:
+            if isinstance(msg, WorkerReady):
+                r = self._ranks[msg.rank]
+                r.pid, r.is_ready = msg.pid, True
+                self.model_info = self.model_info or msg.model_info
+                self._changed.notify_all()
+            elif isinstance(msg, WorkerFailed):
+                self._ranks[msg.rank].failure = msg.error
+                self._changed.notify_all()
+            elif isinstance(msg, BatchStarted):
+                r = self._ranks[msg.rank]
+                for request_id in msg.request_ids:
+                    started = r.queued.pop(request_id, None)
+                    if started is not None:
+                        r.running[request_id] = started
+            elif isinstance(msg, PrefillResult):
+                r = self._ranks[msg.rank]
+                req = self._finish_locked(msg.request_id)
+                if req is not None:
+                    r.served_requests += 1
+                    r.served_tokens += msg.prompt_tokens
+                    self._recent.append((time.monotonic(), msg.prompt_tokens))
+                    outcome = msg
+            elif isinstance(msg, BatchDone):
+                r = self._ranks[msg.rank]
+                r.forwards += 1
+                r.prefetch_wait_s += msg.prefetch_wait_s
+            elif isinstance(msg, PrefillError):
+                req = self._finish_locked(msg.request_id)
+                outcome = ServeError(500, msg.error_type, msg.message)
+        if req is not None:
+            self._resolve(req, outcome)
+
+    def _watch_processes(self) -> None:
+        while not self._stop.wait(0.1):
+            for r in self._ranks:
+                if r.is_alive and r.process.exitcode is not None:
+                    self._on_death(r)
+
+    def _on_death(self, r: _Rank) -> None:
+        """Mark `r` dead, fail its running requests, hand its queued ones to other workers."""
+        failed = []
+        with self._changed:
+            r.is_alive = False
+            r.exit_code = r.process.exitcode
+            if self._is_draining and r.exit_code == 0:
+                return  # a normal exit after STOP
+            for request_id in list(r.running):
+                req = self._finish_locked(request_id)
+                if req is not None:
+                    failed.append((req, ServeError(
+                        503, "worker_died",
+                        f"worker rank {r.rank} (pid {r.pid}) died with exit code {r.exit_code} while running "
+                        "this request; it was not retried elsewhere", retry_after=RETRY_AFTER_S)))
+            for request_id in list(r.queued):
+                req = r.queued.pop(request_id)
+                r.outstanding_tokens -= len(req.job.input_ids)
+                try:
+                    # Admitted already: the queue bound keeps new requests out, not retried ones.
+                    self._assign_locked(req, float("inf"))
+                    self.num_retried += 1
+                except ServeError as exc:
+                    self._requests.pop(request_id, None)
+                    failed.append((req, exc))
+            self._changed.notify_all()
+        for req, exc in failed:
+            self._resolve(req, exc)
+
+    # -- observability -------------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        """Health and load of every worker, for /health and /metrics."""
+        with self._lock:
+            now = time.monotonic()
+            while self._recent and now - self._recent[0][0] > THROUGHPUT_WINDOW_S:
+                self._recent.popleft()
+            workers = [{
+                "rank": r.rank, "pid": r.pid, "alive": r.is_alive and r.is_ready, "ready": r.is_ready,
+                "exit_code": r.exit_code, "queued": len(r.queued), "running": len(r.running),
+                "outstanding_tokens": r.outstanding_tokens, "served_requests": r.served_requests,
+                "served_tokens": r.served_tokens, "forwards": r.forwards,
+                "prefetch_wait_s": r.prefetch_wait_s,
+            } for r in self._ranks]
+            alive = sum(w["alive"] for w in workers)
+            if self._is_draining:
+                status = "draining"
+            elif alive == 0:
+                status = "unavailable"
+            else:
+                status = "ok" if alive == len(workers) else "degraded"
+            return {"status": status, "workers": workers, "in_flight": len(self._requests),
+                    "retried": self.num_retried,
+                    "tokens_per_s": sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S}

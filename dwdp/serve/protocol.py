@@ -1,0 +1,70 @@
+"""Messages between the router and the workers (pickled over multiprocessing queues).
+
+Router -> worker (the worker's own request queue): PrefillJob, or STOP to finish the queue and exit.
+Worker -> router (one shared result queue): WorkerReady / WorkerFailed once at startup, then
+BatchStarted when a forward begins, BatchDone when it ends, and one PrefillResult or
+PrefillError per request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STOP = None  # sentinel on a request queue: finish what is queued, then exit
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    request_id: str
+    input_ids: tuple[int, ...]  # [T] prompt token ids, already validated by the router
+    enqueued: float             # time.monotonic() when the router queued it (CLOCK_MONOTONIC on Linux)
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    rank: int
+    pid: int
+    model_info: dict            # vocab_size, max_position_embeddings, num_layers, model_type, memory
+
+
+@dataclass(frozen=True)
+class WorkerFailed:
+    rank: int
+    error: str                  # traceback of a failure outside a single forward
+
+
+@dataclass(frozen=True)
+class BatchStarted:
+    rank: int
+    request_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BatchDone:
+    rank: int
+    num_requests: int
+    padded_tokens: int          # batch size x longest prompt
+    prefill_s: float
+    prefetch_wait_s: float      # exposed expert-prefetch wait of this forward
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    request_id: str
+    rank: int
+    first_token_id: int
+    prompt_tokens: int
+    queue_s: float              # router queued it -> its forward started
+    prefill_s: float            # the batched forward it ran in
+    kv_write_s: float           # extracting and writing its KV artifact
+    batch_size: int             # requests in that forward
+    batch_tokens: int           # padded tokens in that forward (batch size x longest prompt)
+    prefetch_wait_s: float      # exposed expert-prefetch wait of that forward
+    kv: dict                    # the KV artifact descriptor (dwdp.serve.kv.write_kv_artifact)
+
+
+@dataclass(frozen=True)
+class PrefillError:
+    request_id: str
+    rank: int
+    error_type: str
+    message: str

@@ -1,0 +1,74 @@
+"""`dwdp serve`: bind the port, start the workers, serve HTTP until SIGINT/SIGTERM, drain, stop."""
+from __future__ import annotations
+
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+
+from .config import ServeConfig
+from .pool import StartupError, WorkerPool
+
+
+def load_tokenizer(config: ServeConfig):
+    """The tokenizer for text prompts: `config.tokenizer`, else the model directory's own if it has
+    one, else None (token ids only). Nothing is downloaded."""
+    path = config.tokenizer or config.model
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError):
+        if config.tokenizer is not None:
+            raise  # asked for explicitly: a broken tokenizer is an error, not "no tokenizer"
+        return None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_server(config: ServeConfig) -> int:
+    """Serve until interrupted; returns the process exit code (1 when a worker fails to start)."""
+    import uvicorn
+
+    from .api import BodyLimit, create_app
+
+    # Bound first: a taken port fails before any worker is spawned, and --port 0 picks a free one.
+    sock = _bind(config.host, config.port)
+    host, port = sock.getsockname()[:2]
+    kv_dir = config.kv_dir or tempfile.mkdtemp(prefix="dwdp-kv-")
+    tokenizer = load_tokenizer(config)
+    pool = WorkerPool(config, kv_dir)
+    try:
+        pool.start()
+        try:
+            pool.wait_ready()
+        except StartupError as exc:
+            print(f"dwdp serve: {exc}", file=sys.stderr)
+            return 1
+        app = BodyLimit(create_app(pool, config, tokenizer), config.max_body_bytes)
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=int(config.drain_timeout_s)))
+        print(f"dwdp serve: {config.ranks} workers ({config.model_name}, max_num_tokens {config.max_num_tokens}) "
+              f"listening on http://{host}:{port}; KV artifacts in {kv_dir}", flush=True)
+        # uvicorn ends its loop gracefully on both signals, then re-raises them to these handlers;
+        # they must return so the pool below drains and stops the workers.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda signum, frame: None)
+        server.run(sockets=[sock])
+        return 0
+    finally:
+        pool.close()
+        sock.close()
+        if config.kv_dir is None:
+            shutil.rmtree(kv_dir, ignore_errors=True)
+        print("dwdp serve: stopped", flush=True)

@@ -1,0 +1,167 @@
+"""One prefill worker: a DWDP rank that serves its own request queue, independently of its peers.
+
+Legend: B = requests in a forward, Tmax = longest prompt of the forward, V = vocabulary.
+
+After the one collective of DWDP setup the worker never talks to another rank: it takes what is
+in its queue, batches it under `max_num_tokens` padded tokens, runs one left-padded forward
+through DWDPModel (whose expert prefetch runs in this same process), and answers every request
+with its first token, timings and a KV artifact.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import signal
+import time
+import traceback
+from collections import deque
+
+import torch
+
+from .config import ServeConfig
+from .kv import request_cache, write_kv_artifact
+from .protocol import STOP, BatchDone, BatchStarted, PrefillError, PrefillJob, PrefillResult, WorkerFailed, WorkerReady
+
+
+def take_batch(pending: deque, max_num_tokens: int) -> list[PrefillJob]:
+    """Pop jobs from the front of `pending`, in arrival order, while B x Tmax stays within
+    `max_num_tokens`. The first job is always taken (the router rejects longer prompts)."""
+    batch: list[PrefillJob] = []
+    longest = 0
+    while pending:
+        n = len(pending[0].input_ids)
+        if batch and (len(batch) + 1) * max(longest, n) > max_num_tokens:
+            break
+        batch.append(pending.popleft())
+        longest = max(longest, n)
+    return batch
+
+
+def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """Left-pad prompts so every last token sits in the last column.
+
+    Returns input_ids [B, Tmax], attention_mask [B, Tmax], position_ids [B, Tmax] (each prompt
+    counts from 0 at its first real token, as it would alone) and the padding of each row.
+    """
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)   # [B, Tmax]
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, Tmax]
+    pads = []
+    for row, prompt in enumerate(prompts):
+        pad = width - len(prompt)
+        ids[row, pad:] = torch.tensor(prompt, dtype=torch.long)
+        mask[row, pad:] = 1
+        pads.append(pad)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)            # [B, Tmax]
+    return ids, mask, positions, pads
+
+
+def model_info(model) -> dict:
+    cfg = model.config
+    return {"vocab_size": int(cfg.vocab_size), "max_position_embeddings": int(cfg.max_position_embeddings),
+            "num_layers": int(cfg.num_hidden_layers), "model_type": cfg.model_type,
+            "local_expert_bytes": model.memory.local_expert_bytes,
+            "full_expert_bytes": model.memory.full_expert_bytes}
+
+
+def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name: str, results) -> None:
+    """One forward over `batch`; puts one PrefillResult (or PrefillError) per job on `results`."""
+    results.put(BatchStarted(rank, tuple(job.request_id for job in batch)))
+    started = time.monotonic()
+    ids, mask, positions, pads = pad_left([job.input_ids for job in batch])
+    wait_before = model.stats.wait_s
+    try:
+        with torch.inference_mode():
+            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+        first = out.logits[:, -1].argmax(-1).tolist()  # [B] greedy first tokens from logits [B, 1, V]
+    except Exception as exc:  # one bad forward fails its requests, not the worker
+        for job in batch:
+            results.put(PrefillError(job.request_id, rank, "prefill_failed", f"rank {rank}: {exc!r}"))
+        return
+    prefill_s = time.monotonic() - started
+    wait_s = model.stats.wait_s - wait_before
+    results.put(BatchDone(rank, len(batch), int(ids.numel()), prefill_s, wait_s))
+    for row, job in enumerate(batch):
+        t0 = time.monotonic()
+        try:
+            layers = request_cache(out.past_key_values, row, pads[row])
+            kv = write_kv_artifact(kv_dir, job.request_id, layers,
+                                   {"rank": rank, "model": model_name, "first_token_id": first[row]})
+        except Exception as exc:
+            results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
+            continue
+        results.put(PrefillResult(
+            request_id=job.request_id, rank=rank, first_token_id=int(first[row]), prompt_tokens=len(job.input_ids),
+            queue_s=started - job.enqueued, prefill_s=prefill_s, kv_write_s=time.monotonic() - t0,
+            batch_size=len(batch), batch_tokens=int(ids.numel()), prefetch_wait_s=wait_s, kv=kv,
+        ))
+
+
+def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, results) -> None:
+    """Loop until STOP (after finishing everything queued before it) or until the router is gone."""
+    parent = multiprocessing.parent_process()
+    pending: deque[PrefillJob] = deque()
+    stopping = False
+    while not (stopping and not pending):
+        if not pending and not stopping:
+            try:
+                job = requests.get(timeout=1.0)
+            except queue.Empty:
+                if parent is not None and not parent.is_alive():
+                    return  # the router died without stopping us: nobody will read our answers
+                continue
+            if job is STOP:
+                stopping = True
+                continue
+            pending.append(job)
+        while not stopping:  # take whatever else already arrived, without waiting for more
+            try:
+                job = requests.get_nowait()
+            except queue.Empty:
+                break
+            if job is STOP:
+                stopping = True
+            else:
+                pending.append(job)
+        if pending:
+            run_batch(model, take_batch(pending, config.max_num_tokens), rank, kv_dir, config.model_name, results)
+
+
+def build_worker_model(config: ServeConfig):
+    """This rank's DWDPModel; joins the env:// world, so every rank must call it together."""
+    from ..config import DWDPConfig
+    from ..group import init_group
+    from ..model import DWDPModel
+
+    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="host")
+    group = init_group()
+    if config.model is not None:
+        return DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group)
+    from .presets import preset_model
+
+    return DWDPModel(preset_model(config.preset, config.seed), dwdp_config, group)
+
+
+def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfig, kv_dir: str,
+                requests, results) -> None:
+    """Entry point of a spawned worker process."""
+    # Ctrl-C reaches the whole process group; the router drains and stops the workers itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+    torch.set_num_threads(config.threads_per_worker)
+    import torch.distributed as dist
+
+    model = None
+    try:
+        model = build_worker_model(config)
+        results.put(WorkerReady(rank, os.getpid(), model_info(model)))
+        serve_queue(model, rank, config, kv_dir, requests, results)
+    except BaseException:
+        results.put(WorkerFailed(rank, traceback.format_exc()))
+    finally:
+        if model is not None:
+            model.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,268 @@
+"""The context server end to end: a real `dwdp serve` subprocess (3 ranks, tiny preset) shared by
+every test here, checked against the unwrapped model in this process."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from dwdp.group import free_port
+from dwdp.serve.kv import read_kv_artifact
+from dwdp.serve.launch import ServerProcess
+from dwdp.serve.presets import preset_model
+
+RANKS = 3
+MAX_NUM_TOKENS = 256
+MAX_QUEUE_TOKENS = 512
+MAX_BODY_BYTES = 16384
+VOCAB = 512
+ATOL, RTOL = 1e-4, 1e-4
+
+
+def build_tokenizer(path) -> None:
+    """A word-level tokenizer over "w0".."w299" (ids 4..303) saved where AutoTokenizer finds it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 3, **{f"w{i}": i + 4 for i in range(300)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(str(path))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """prompt ids -> (last-position logits [V], [(keys, values)] per layer) of the unwrapped model."""
+    model = preset_model("tiny", seed=0)
+    cache = {}
+
+    def run(ids: list[int]):
+        key = tuple(ids)
+        if key not in cache:
+            with torch.inference_mode():
+                out = model(input_ids=torch.tensor([ids]), use_cache=True)
+            layers = [(layer.keys.clone(), layer.values.clone()) for layer in out.past_key_values.layers]
+            cache[key] = (out.logits[0, -1].clone(), layers)
+        return cache[key]
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    (root / "shm").mkdir()
+    build_tokenizer(root / "tokenizer")
+    args = ["--ranks", str(RANKS), "--preset", "tiny", "--max-num-tokens", str(MAX_NUM_TOKENS),
+            "--max-queue-tokens", str(MAX_QUEUE_TOKENS), "--max-body-bytes", str(MAX_BODY_BYTES),
+            "--kv-dir", str(root / "kv"), "--tokenizer", str(root / "tokenizer")]
+    (root / "kv").mkdir()
+    proc = ServerProcess(args, free_port(), env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+    proc.root = root
+    with proc:
+        yield proc
+    assert proc.proc.returncode == 0, proc.output()
+    assert list((root / "shm").iterdir()) == []
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (n,), generator=gen).tolist()
+
+
+def assert_first_token(token: int, logits: torch.Tensor) -> None:
+    """`token` is the argmax of the reference logits, or ties with it within the fp tolerance."""
+    best = int(logits.argmax())
+    gap = float(logits[best] - logits[token])
+    assert token == best or gap <= ATOL + RTOL * float(logits.abs().max()), (token, best, gap)
+
+
+def assert_kv_matches(path: str, layers) -> None:
+    got, meta = read_kv_artifact(path)
+    assert len(got) == len(layers) == int(meta["num_layers"]), (len(got), len(layers), meta)
+    for i, ((k, v), (rk, rv)) in enumerate(zip(got, layers)):
+        assert k.shape == rk.shape and v.shape == rv.shape, (i, k.shape, rk.shape, v.shape, rv.shape)
+        torch.testing.assert_close(k, rk, atol=ATOL, rtol=RTOL, msg=lambda m: f"layer {i} keys: {m}")
+        torch.testing.assert_close(v, rv, atol=ATOL, rtol=RTOL, msg=lambda m: f"layer {i} values: {m}")
+
+
+def post(server, path: str, body, **kw) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=60.0, **kw)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("length", [1, 7, 33, MAX_NUM_TOKENS])
+def test_prefill_matches_unwrapped_model(server, reference, length):
+    ids = prompt(length, length)
+    r = post(server, "/v1/prefill", {"input_ids": ids})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    logits, layers = reference(ids)
+    assert body["prompt_tokens"] == length and 0 <= body["rank"] < RANKS, body
+    assert_first_token(body["first_token_id"], logits)
+    assert_kv_matches(body["kv"]["path"], layers)
+    kv = body["kv"]
+    assert kv["num_tokens"] == length and kv["dtype"] == "float32" and kv["num_layers"] == len(layers), kv
+    recorded = {(t["layer"], t["kind"]): t["shape"] for t in kv["tensors"]}
+    assert recorded == {(i, kind): list(t.shape) for i, pair in enumerate(layers) for kind, t in zip(("keys", "values"), pair)}
+    assert body["timing"]["prefill_s"] > 0 and body["timing"]["queue_s"] >= 0, body["timing"]
+
+
+@pytest.mark.timeout(90)
+def test_concurrent_clients_none_lost_or_duplicated(server, reference):
+    """16 clients (> 4 x 3 ranks), 3 prompts each of mixed lengths: left-padded batches must give
+    every prompt its own first token and cache, every request exactly one answer."""
+    before = httpx.get(f"{server.url}/health").json()
+    prompts = [prompt(1000 + i, 5 + (37 * i) % 120) for i in range(48)]
+
+    def client(c: int):
+        with httpx.Client(timeout=60.0) as http:
+            return [(i, http.post(f"{server.url}/v1/prefill", json={"input_ids": prompts[i]}))
+                    for i in range(c, len(prompts), 16)]
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = [a for chunk in pool.map(client, range(16)) for a in chunk]
+    assert sorted(i for i, _ in answers) == list(range(len(prompts)))
+    assert [r.status_code for _, r in answers] == [200] * len(prompts), [r.text for _, r in answers if r.status_code != 200]
+    ids = {r.json()["id"] for _, r in answers}
+    assert len(ids) == len(prompts), "duplicated request ids"
+    batched = 0
+    for i, r in answers:
+        body = r.json()
+        logits, layers = reference(prompts[i])
+        assert body["prompt_tokens"] == len(prompts[i])
+        assert_first_token(body["first_token_id"], logits)
+        assert_kv_matches(body["kv"]["path"], layers)
+        batched += body["timing"]["batch_size"] > 1
+    after = httpx.get(f"{server.url}/health").json()
+    served = [a["served_requests"] - b["served_requests"] for a, b in zip(after["workers"], before["workers"])]
+    assert sum(served) == len(prompts), served
+    assert all(n > 0 for n in served), f"the router left a worker idle: {served}"
+    assert batched > 0, "no request shared a forward: batching never happened"
+    assert after["in_flight"] == 0 and all(w["outstanding_tokens"] == 0 for w in after["workers"]), after
+
+
+@pytest.mark.timeout(60)
+def test_openai_client_gets_a_completion(server, reference):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["dwdp-tiny"]
+    ids = prompt(7, 19)
+    completion = client.completions.create(model="dwdp-tiny", prompt=ids, max_tokens=1)
+    logits, layers = reference(ids)
+    choice = completion.choices[0]
+    assert_first_token(choice.model_extra["token_ids"][0], logits)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(server.root / "tokenizer"), local_files_only=True)
+    assert choice.text == tokenizer.decode(choice.model_extra["token_ids"]), choice
+    assert completion.usage.prompt_tokens == 19 and completion.usage.completion_tokens == 1
+    artifacts = completion.model_extra["kv_transfer_params"]["kv_artifacts"]
+    assert len(artifacts) == 1
+    assert_kv_matches(artifacts[0]["path"], layers)
+    text = client.completions.create(model="dwdp-tiny", prompt="w10 w20 w30 w40", max_tokens=1)
+    assert_first_token(text.choices[0].model_extra["token_ids"][0], reference([14, 24, 34, 44])[0])
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="dwdp-tiny", prompt=ids, max_tokens=16)
+    assert "max_tokens" in str(err.value)
+
+
+@pytest.mark.timeout(30)
+def test_text_prompt_uses_the_local_tokenizer(server, reference):
+    r = post(server, "/v1/prefill", {"prompt": "w1 w2 w3 w299 unknown"})
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_tokens"] == 5
+    assert_first_token(r.json()["first_token_id"], reference([5, 6, 7, 303, 3])[0])
+
+
+TOO_LONG = list(range(3, 3 + MAX_NUM_TOKENS + 1))
+BAD_INPUTS = [
+    ("empty_ids", "/v1/prefill", {"input_ids": []}, 400, "input_ids"),
+    ("float_id", "/v1/prefill", {"input_ids": [5, 1.5]}, 400, "input_ids"),
+    ("string_id", "/v1/prefill", {"input_ids": [5, "6"]}, 400, "input_ids"),
+    ("bool_id", "/v1/prefill", {"input_ids": [True]}, 400, "input_ids"),
+    ("ids_not_a_list", "/v1/prefill", {"input_ids": 5}, 400, "input_ids"),
+    ("id_over_vocab", "/v1/prefill", {"input_ids": [5, VOCAB]}, 400, "input_ids"),
+    ("negative_id", "/v1/prefill", {"input_ids": [-1]}, 400, "input_ids"),
+    ("too_long", "/v1/prefill", {"input_ids": TOO_LONG}, 400, "input_ids"),
+    ("missing_ids", "/v1/prefill", {}, 400, "input_ids"),
+    ("ids_and_prompt", "/v1/prefill", {"input_ids": [5], "prompt": "w1"}, 400, "prompt"),
+    ("unknown_field", "/v1/prefill", {"input_ids": [5], "temperature": 0.5}, 400, "temperature"),
+    ("body_not_object", "/v1/prefill", [5, 6], 400, "body"),
+    ("wrong_model", "/v1/completions", {"model": "gpt-4", "prompt": [5], "max_tokens": 1}, 404, "model"),
+    ("max_tokens_2", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "max_tokens": 2}, 400, "max_tokens"),
+    ("stream", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "stream": True}, 400, "stream"),
+    ("empty_prompt", "/v1/completions", {"model": "dwdp-tiny", "prompt": []}, 400, "prompt"),
+    ("prompt_over_vocab", "/v1/completions", {"model": "dwdp-tiny", "prompt": [[5], [9999]]}, 400, "prompt.1"),
+    ("missing_prompt", "/v1/completions", {"model": "dwdp-tiny"}, 400, "prompt"),
+]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name,path,body,status,param", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_names_the_field(server, name, path, body, status, param):
+    r = post(server, path, body)
+    assert r.status_code == status, (name, r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["param"] == param and param.split(".")[0] in error["message"], (name, error)
+
+
+@pytest.mark.timeout(30)
+def test_malformed_json_and_oversize_body(server):
+    r = httpx.post(f"{server.url}/v1/prefill", content=b'{"input_ids": [1, 2', timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body", r.text
+    big = json.dumps({"input_ids": [5] * MAX_BODY_BYTES}).encode()
+    r = httpx.post(f"{server.url}/v1/prefill", content=big, timeout=10, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+
+    def chunks():  # no Content-Length: the limit must hold while the body streams in
+        for start in range(0, len(big), 4096):
+            yield big[start:start + 4096]
+
+    r = httpx.post(f"{server.url}/v1/prefill", content=chunks(), timeout=10, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body", r.text
+    assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
+
+
+@pytest.mark.timeout(90)
+def test_overload_answers_429_with_retry_after(server, reference):
+    """36 prompts of 200 tokens at once are 7200 tokens against 3 x 512 of queue room: the rest
+    must be refused with 429 + Retry-After, and every admitted one must still be answered right."""
+    prompts = [prompt(5000 + i, 200) for i in range(36)]
+    with ThreadPoolExecutor(36) as pool:
+        answers = list(pool.map(lambda ids: post(server, "/v1/prefill", {"input_ids": ids}), prompts))
+    codes = [r.status_code for r in answers]
+    assert set(codes) == {200, 429}, codes
+    for ids, r in zip(prompts, answers):
+        if r.status_code == 429:
+            assert r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "overloaded", r.text
+        else:
+            assert_first_token(r.json()["first_token_id"], reference(ids)[0])
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["in_flight"] == 0 and all(w["outstanding_tokens"] == 0 for w in health["workers"]), health
+
+
+@pytest.mark.timeout(30)
+def test_metrics_in_prometheus_text(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    post(server, "/v1/prefill", {"input_ids": [5, 6, 7]})
+    post(server, "/v1/prefill", {"input_ids": []})
+    r = httpx.get(f"{server.url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.headers
+    samples = {}
+    for family in text_string_to_metric_families(r.text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+    for name in ("dwdp_serve_queue_depth", "dwdp_serve_outstanding_tokens", "dwdp_serve_worker_up",
+                 "dwdp_serve_prefetch_wait_seconds_total", "dwdp_serve_requests_total"):
+        assert sorted(s.labels["rank"] for s in samples[name]) == [str(r) for r in range(RANKS)], name
+    assert samples["dwdp_serve_tokens_per_second"][0].value > 0
+    assert samples["dwdp_serve_ttft_seconds_count"][0].value >= 1
+    assert sum(s.value for s in samples["dwdp_serve_prefetch_wait_seconds_total"]) > 0
+    errors = {s.labels["type"]: s.value for s in samples["dwdp_serve_errors_total"]}
+    assert errors.get("invalid_request_error", 0) >= 1, errors
