@@ -57,6 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
     serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    from .bench_compare import add_arguments as add_compare_arguments
+
+    add_compare_arguments(bench_sub.add_parser("compare", help="DWDP vs DEP vs replicated on one imbalanced workload"))
     return parser
 
 
@@ -110,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         return run_server(config)
+    if args.command == "bench" and args.bench == "compare":
+        from .bench_compare import run_compare
+
+        return run_compare(args)
     raise AssertionError(args.command)
 
 
