@@ -109,13 +109,17 @@ class Prefetcher:
         slot = self.slots[slot_index]
         if slot.layer != layer or slot.ticket is None:
             raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        # Measured around the whole call: waking up and getting the interpreter back after the
+        # copies land is part of what this rank waited, and the trace reports the same span.
         start = now_us()
         if experts is None:
-            waited = slot.ticket.wait(self.timeout_s)
+            slot.ticket.wait(self.timeout_s)
         else:
-            waited = slot.ticket.wait_experts(experts, self.timeout_s)
+            slot.ticket.wait_experts(experts, self.timeout_s)
+        end = now_us()
+        waited = (end - start) / 1e6
         if self.recorder is not None:
-            self.recorder.complete(phases.PREFETCH_WAIT, start, now_us(), layer=layer, slot=slot_index,
+            self.recorder.complete(phases.PREFETCH_WAIT, start, end, layer=layer, slot=slot_index,
                                    iteration=self.recorder.iteration)
         with self._cond:
             self.stats.wait_s += waited

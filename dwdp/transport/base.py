@@ -40,7 +40,9 @@ class Ticket:
             self._left_peer[peer] -= 1
             if self._left_total == 0:
                 self.finished_ns = time.perf_counter_ns()
-            self._cond.notify_all()
+            # Waiters wait for whole experts: waking them for a partial one only costs them.
+            if self._left_expert[expert] == 0:
+                self._cond.notify_all()
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
