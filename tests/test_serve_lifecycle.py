@@ -1,0 +1,142 @@
+"""Lifecycle of the context server: a worker killed mid-run, then a graceful SIGTERM that must
+drain what is in flight and leave no process and no shared-memory segment behind."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import torch
+
+from dwdp.group import free_port
+from dwdp.serve.launch import ServerProcess
+from dwdp.serve.presets import preset_model
+
+VOCAB = 512
+
+
+def shm_entries() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def mapped_inodes() -> set[int]:
+    """Inodes of /dev/shm files some live process has mapped (other people's included). Inodes,
+    not names: a named semaphore is mapped under the temporary name it was created with."""
+    inodes = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                inodes.update(int(line.split()[4]) for line in f if "/dev/shm/" in line)
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+    return inodes
+
+
+def unmapped(names: set[str]) -> set[str]:
+    """The entries of `names` still in /dev/shm that no live process maps: leaked ones."""
+    live, left = mapped_inodes(), set()
+    for name in names:
+        try:
+            if os.stat(f"/dev/shm/{name}").st_ino not in live:
+                left.add(name)
+        except FileNotFoundError:
+            continue
+    return left
+
+
+@pytest.fixture(scope="module")
+def model():
+    return preset_model("tiny", seed=0)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_lifecycle")
+    (root / "shm").mkdir()
+    (root / "kv").mkdir()
+    shm_before = shm_entries()
+    proc = ServerProcess(["--ranks", "2", "--preset", "tiny", "--kv-dir", str(root / "kv")], free_port(),
+                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+    proc.root, proc.shm_before = root, shm_before
+    proc.start()
+    yield proc
+    proc.kill()  # only does something if a test failed before stopping it
+
+
+def first_token(model, ids: list[int]) -> int:
+    with torch.inference_mode():
+        return int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+
+
+def prompts(seed: int, count: int, length: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (count, length), generator=gen).tolist()
+
+
+def wait_for(server, predicate, timeout_s: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        health = httpx.get(f"{server.url}/health", timeout=5).json()
+        if predicate(health):
+            return health
+        time.sleep(0.005)
+    raise AssertionError(f"condition not reached within {timeout_s} s: {health}")
+
+
+@pytest.mark.timeout(90)
+def test_killed_worker_is_skipped_and_only_its_running_requests_fail(server, model):
+    batch = prompts(1, 16, 200)
+    post = lambda ids: httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=60)
+    with ThreadPoolExecutor(16) as pool:
+        futures = [pool.submit(post, ids) for ids in batch]
+        health = wait_for(server, lambda h: h["workers"][1]["running"] > 0 and h["workers"][1]["queued"] > 0)
+        running_on_victim = health["workers"][1]["running"]
+        victim = health["workers"][1]["pid"]
+        os.kill(victim, signal.SIGKILL)
+        answers = [f.result() for f in futures]
+    failed = [r for r in answers if r.status_code != 200]
+    for r in failed:
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["type"] == "worker_died" and "rank 1" in error["message"], r.text
+        assert r.headers["retry-after"] == "1"
+    assert 1 <= len(failed) <= running_on_victim, ([r.status_code for r in answers], running_on_victim)
+    for ids, r in zip(batch, answers):
+        if r.status_code == 200:
+            assert r.json()["first_token_id"] == first_token(model, ids), r.json()
+    health = httpx.get(f"{server.url}/health", timeout=5)
+    assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
+    dead = health.json()["workers"][1]
+    assert not dead["alive"] and dead["exit_code"] == -signal.SIGKILL, dead
+    assert health.json()["retried"] >= 1, "queued requests of the dead worker were not handed on"
+    after = [post(ids) for ids in prompts(2, 4, 30)]
+    assert [(r.status_code, r.json()["rank"]) for r in after] == [(200, 0)] * 4, [r.text for r in after]
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_drains_in_flight_requests_and_leaves_nothing(server, model):
+    health = httpx.get(f"{server.url}/health", timeout=5).json()
+    pids = [w["pid"] for w in health["workers"]]
+    batch = prompts(3, 8, 120)
+    post = lambda ids: httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=60)
+    with ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(post, ids) for ids in batch]
+        wait_for(server, lambda h: h["in_flight"] >= 4)
+        server.proc.send_signal(signal.SIGTERM)
+        answers = [f.result() for f in futures]
+    assert [r.status_code for r in answers] == [200] * len(batch), [r.text for r in answers]
+    for ids, r in zip(batch, answers):
+        assert r.json()["first_token_id"] == first_token(model, ids)
+    assert server.proc.wait(timeout=60) == 0, server.output()
+    assert "dwdp serve: stopped" in server.output()
+    for pid in pids + [server.proc.pid]:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert list((server.root / "shm").iterdir()) == []
+    leaked = unmapped(shm_entries() - server.shm_before)
+    assert not leaked, f"segments left in /dev/shm by nobody alive: {leaked}"
+    assert len(list((server.root / "kv").glob("*.safetensors"))) >= len(batch), "KV artifacts must outlive the server"
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"{server.url}/health", timeout=2)
