@@ -4,6 +4,12 @@ Lanes: tid 0 is the compute thread (forward, attention, router, MoE compute, pre
 wait); tid 100 + i is copier i, one event per copy slice with its source, destination and bytes.
 Timestamps are microseconds of the host's monotonic clock, shared by every process on the host,
 so the ranks' files line up. With recording off nothing here runs: callers hold `None`.
+
+Event args: forward {iteration}; attention and router {layer: decoder layer, iteration} (router
+also {moe_layer}); MoE compute {layer: MoE layer, iteration}; prefetch issue and wait {layer: MoE
+layer, slot, iteration} (an issue made before the first forward has iteration -1); copy slice
+{src, dst, bytes, layer: MoE layer, slot, expert}. otherData carries rank, group_size,
+num_moe_layers and plan_bytes_per_layer (bytes one layer's plan copies).
 """
 from __future__ import annotations
 
@@ -90,14 +96,15 @@ def attach_phase_hooks(model: torch.nn.Module, recorder: TraceRecorder, experts_
     """Time every attention block and MoE router of `model` with forward hooks; returns the handles."""
     handles = []
 
-    def timed(module: torch.nn.Module, name: str, layer: int) -> None:
+    def timed(module: torch.nn.Module, name: str, layer: int, **extra) -> None:
         state = {}
 
         def pre(*_):
             state["t"] = now_us()
 
         def post(*_):
-            recorder.complete(name, state.pop("t", now_us()), now_us(), layer=layer, iteration=recorder.iteration)
+            recorder.complete(name, state.pop("t", now_us()), now_us(), layer=layer, iteration=recorder.iteration,
+                              **extra)
 
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
@@ -109,6 +116,8 @@ def attach_phase_hooks(model: torch.nn.Module, recorder: TraceRecorder, experts_
     for moe_layer, experts_name in enumerate(experts_names):
         parent = model.get_submodule(experts_name.rsplit(".", 1)[0])
         router = getattr(parent, "gate", None)
-        if isinstance(router, torch.nn.Module):
-            timed(router, phases.ROUTER, moe_layer)
+        match = _LAYER_INDEX.search(experts_name + ".")
+        if isinstance(router, torch.nn.Module) and match:
+            # `layer` is the decoder layer, as for attention; `moe_layer` matches MoE compute's `layer`.
+            timed(router, phases.ROUTER, int(match.group(1)), moe_layer=moe_layer)
     return handles
