@@ -7,8 +7,10 @@ The model skeleton is built on the meta device (no weight memory). The dense wei
 norms, embeddings, router, shared experts) are read into it tensor by tensor; the experts are read
 by DWDPModel through an expert source that returns only this rank's L experts of each layer,
 sliced out of a stacked `[E, ...]` tensor with `get_slice` or gathered from per-expert tensors.
-safetensors memory-maps the shards, so a non-local expert is never read, and a page that is read
-stays mapped only as long as the tensor using it.
+safetensors memory-maps the shards, so a non-local expert is never read. A page that is read stays
+resident while its shard is open or a tensor still uses the mapping, so one shard is open at a
+time, dense tensors are copied out of it, and expert pages go once DWDPModel has copied them into
+the rank's segment: the load's peak is about dense + local experts + one shard.
 
 Checkpoint names are mapped to the model's with transformers' own conversion mapping (renames such
 as Mixtral's `block_sparse_moe` -> `mlp`, and the per-expert -> stacked merges), so both layouts

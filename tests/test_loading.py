@@ -78,7 +78,10 @@ def save_checkpoint(family: str, model, directory: Path, layout: str, num_shards
     """config.json, generation_config.json and the weights of `model` in `layout`."""
     model.config.save_pretrained(directory)
     model.generation_config.save_pretrained(directory)
-    state = {k: v.clone() for k, v in model.state_dict().items()} if layout == "stacked" else _per_expert_state(family, model)
+    if layout == "stacked":
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+    else:
+        state = _per_expert_state(family, model)
     write_shards(state, directory, num_shards)
     return directory
 
@@ -185,7 +188,8 @@ def test_rank_equals_wrapped_full_model(launches, group_size):
             where = f"{family} {dtype} {layout} rank {rank}/{group_size}"
             bound = ATOL + RTOL * r["scale"] if dtype == "torch.float32" else 0.0
             assert r["diff"] <= bound, f"{where}: max|logits diff|={r['diff']:.3e} > {bound:.3e}"
-            assert not r["state_differs"], f"{where}: tensors differ from the wrapped full model: {r['state_differs'][:5]}"
+            differs = r["state_differs"]
+            assert not differs, f"{where}: tensors differ from the wrapped full model: {differs[:5]}"
             assert not r["on_meta"], f"{where}: left on meta: {r['on_meta'][:5]}"
             assert (r["rank"], r["group_size"]) == (rank, group_size), (where, r["rank"], r["group_size"])
             # Only dense weights and local experts were read: exactly the (fp32) checkpoint bytes of the
