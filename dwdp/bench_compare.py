@@ -1,17 +1,18 @@
 """`dwdp bench compare`: DWDP, DEP and replicated on the same model, requests and machine, one run.
 
-One local group of `--ranks` processes (spawned on loopback, one compute thread each) runs, for each
-CV of per-rank total tokens, the same seeded workload (dwdp.workload) under each mode in turn:
-- dwdp: DWDPModel; every rank runs its own forwards back to back, never waiting for a peer.
-- dep: DEPModel; ranks advance in lockstep steps (all-to-alls in every MoE layer), a rank out of
+One local group of `--ranks` processes (spawned on loopback, one compute thread each) holds all
+three models at once and, for each CV of per-rank total tokens, runs the same seeded workload
+(dwdp.workload) under each mode, interleaved step by step (see `_run_cv`):
+- dwdp: DWDPModel; a rank's forwards never wait for a peer.
+- dep: DEPModel; ranks advance in lockstep steps (all-to-alls in every MoE layer); a rank out of
   work runs `idle_step()` until the busiest rank has run all its forwards.
 - replicated: ReplicatedModel; every expert local, no communication.
 
-Per rank: tokens/s = own real tokens / own busy time (first forward to last, warm-up excluded);
-the total is the sum over ranks (steady-state serving, where a rank that finishes takes new
-requests). Wait = DWDPModel.stats.wait_s (exposed prefetch) or, for DEP, time blocked in
-all-to-alls beyond the last-arriving rank's time for the same call. Prints a table last, writes
-<out-dir>/compare_<device>.json and .png.
+Per rank: tokens/s = own real tokens / own busy time (the sum of its timed forwards, DEP idle steps
+included, warm-up excluded); the total is the sum over ranks (steady-state serving, where a rank
+that finishes takes new requests). Wait = DWDPModel.stats.wait_s (exposed prefetch) or, for DEP,
+time blocked in all-to-alls beyond the last-arriving rank's time for the same call. Prints a table
+last, writes <out-dir>/compare_<device>.json and .png.
 """
 from __future__ import annotations
 
@@ -27,12 +28,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .adapters import find_experts
+from .baselines import DEPModel, ReplicatedModel
 from .config import DWDPConfig
 from .demo import DEMO_MODEL
 from .group import init_group, launch_local
+from .model import DWDPModel
 from .timing import device_tag, time_fn
 from .tiny import FAMILIES, build_tiny_model
-from .workload import WorkloadConfig, forward_inputs, make_workload
+from .workload import Forward, WorkloadConfig, forward_inputs, make_workload
 
 MODES = ("dwdp", "dep", "replicated")
 DEFAULT_CVS = (0.0, 0.1, 0.2, 0.4)
@@ -53,8 +57,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--family", choices=FAMILIES, default="deepseek_v3")
     p.add_argument("--hidden", type=int, help=f"model hidden size (default {DEMO_MODEL['hidden']})")
     p.add_argument("--num-layers", type=int, help=f"decoder layers (default {DEMO_MODEL['num_layers']})")
-    p.add_argument("--rounds", type=int, help="repeats of every (cv, mode) run, mode order rotated each round; "
-                   "throughput is the median over rounds (default 2)")
+    p.add_argument("--rounds", type=int, help="passes over each CV's workload; throughput is the median over "
+                   "passes (default 2)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-bytes", type=int, default=1 << 20, help="DWDP copy slice size (default 1 MiB)")
     p.add_argument("--seed", type=int, default=0)
@@ -99,69 +103,84 @@ def _workload(opts: dict, cv: float):
 # -- on every rank -----------------------------------------------------------------------------
 def _wrap(mode: str, model, group, opts: dict):
     if mode == "dwdp":
-        from .model import DWDPModel
-
         return DWDPModel(model, DWDPConfig(slice_bytes=opts["slice_bytes"], backend="host"), group)
     if mode == "dep":
-        from .baselines import DEPModel
-
         return DEPModel(model, group)
-    from .baselines import ReplicatedModel
-
     return ReplicatedModel(model)
 
 
-def _run_mode(mode: str, group, workload, inputs: list[dict], opts: dict) -> dict:
-    """Warm up, then run this rank's forwards (DEP: the group's lockstep steps); returns timings."""
-    model = build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"])
-    stream = workload.streams[group.rank]
-    latencies = []
-    with _wrap(mode, model, group, opts) as wrapped, torch.no_grad():
-        wrapped(**inputs[0])  # warm-up outside the timed region: first touch, plan cache, allocator
-        if mode != "replicated":
-            wrapped.stats.reset()
+def _run_cv(group, workload, inputs: list[dict], opts: dict, progress) -> list[dict]:
+    """Every mode on this rank's forwards, interleaved step by step; one record per mode.
+
+    Step s runs, in an order rotated every step, each mode's share of step s after a barrier:
+    dwdp and replicated their forward s (if this rank has one), dep its forward s or an idle step.
+    A mode's busy time is the sum of its own timed pieces, so a slow spell of a shared machine
+    hits every mode alike. DWDP ranks never wait for a peer, so summing a rank's forward times
+    measures what it would take running alone; DEP's pieces include its waits at the all-to-alls.
+    """
+    modes = list(opts["modes"])
+    wrapped = {m: _wrap(m, build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"]), group, opts)
+               for m in modes}
+    rec = {m: dict(busy_ns=0, cpu_s=0.0, latencies_s=[]) for m in modes}
+    try:
+        with torch.no_grad():
+            for m in modes:  # warm-up outside the timed region: first touch, plan cache, allocator
+                group.barrier()
+                wrapped[m](**inputs[0])
+                if m != "replicated":
+                    wrapped[m].stats.reset()
+            for step in range(workload.num_steps):
+                shift = step % len(modes)
+                for m in modes[shift:] + modes[:shift]:
+                    group.barrier()  # untimed: every piece starts with both ranks free
+                    has_work = step < len(inputs)
+                    if not has_work and m != "dep":
+                        continue
+                    cpu, t0 = time.process_time(), time.perf_counter_ns()
+                    if has_work:
+                        wrapped[m](**inputs[step])
+                    else:
+                        wrapped[m].idle_step()  # DEP: out of work, but the all-to-alls need this rank
+                    elapsed = time.perf_counter_ns() - t0
+                    # CPU seconds of every thread of this rank: far below wall time = blocked or descheduled.
+                    rec[m]["cpu_s"] += time.process_time() - cpu
+                    rec[m]["busy_ns"] += elapsed
+                    if has_work:
+                        rec[m]["latencies_s"].append(elapsed / 1e9)
+                if progress is not None and group.rank == 0:
+                    progress.put((workload.config.cv, step + 1, workload.num_steps))
+        out = []
+        stream = workload.streams[group.rank]
+        for m in modes:
+            busy_s = rec[m]["busy_ns"] / 1e9
+            memory = wrapped[m].memory
+            r = dict(mode=m, rank=group.rank, tokens=stream.num_tokens, forwards=len(inputs), busy_s=busy_s,
+                     cpu_s=rec[m]["cpu_s"], tokens_per_s=stream.num_tokens / busy_s, latencies_s=rec[m]["latencies_s"],
+                     resident_bytes=memory.dense_bytes + memory.resident_expert_bytes,
+                     expert_bytes=memory.resident_expert_bytes, wait_s=0.0, comm_s=0.0, call_s=[], bytes_prefetched=0)
+            if m == "dwdp":
+                r.update(wait_s=wrapped[m].stats.wait_s, bytes_prefetched=wrapped[m].stats.bytes_copied)
+            elif m == "dep":
+                r.update(comm_s=wrapped[m].stats.comm_s, call_s=list(wrapped[m].stats.call_s))
+            out.append(r)
+        return out
+    finally:
+        for w in wrapped.values():
+            w.close()
         group.barrier()
-        cpu_start = time.process_time()
-        start = time.perf_counter_ns()
-        steps = workload.num_steps if mode == "dep" else len(inputs)
-        for step in range(steps):
-            t0 = time.perf_counter_ns()
-            if step < len(inputs):
-                wrapped(**inputs[step])
-                latencies.append((time.perf_counter_ns() - t0) / 1e9)
-            else:
-                wrapped.idle_step()  # DEP: this rank is out of work but the all-to-alls need it
-        busy_s = (time.perf_counter_ns() - start) / 1e9
-        # CPU seconds of every thread of this rank: far below busy_s means it was blocked or descheduled.
-        cpu_s = time.process_time() - cpu_start
-        out = dict(mode=mode, rank=group.rank, tokens=stream.num_tokens, forwards=len(inputs), busy_s=busy_s, cpu_s=cpu_s,
-                   tokens_per_s=stream.num_tokens / busy_s, latencies_s=latencies,
-                   resident_bytes=wrapped.memory.dense_bytes + wrapped.memory.resident_expert_bytes,
-                   expert_bytes=wrapped.memory.resident_expert_bytes, full_expert_bytes=wrapped.memory.full_expert_bytes,
-                   wait_s=0.0, comm_s=0.0, call_s=[], bytes_prefetched=0)
-        if mode == "dwdp":
-            out.update(wait_s=wrapped.stats.wait_s, bytes_prefetched=wrapped.stats.bytes_copied,
-                       plans=wrapped.stats.plans_issued)
-        elif mode == "dep":
-            out.update(comm_s=wrapped.stats.comm_s, call_s=list(wrapped.stats.call_s))
-    group.barrier()  # the next mode starts with every rank free
-    return out
 
 
 def _regime(opts: dict, group) -> dict:
-    """One MoE layer's compute at a full forward against copying its remote experts (one thread)."""
+    """One layer's compute in a full forward against one thread copying a MoE layer's remote experts
+    (the experts a rank with ceil(E / ranks) local ones pulls)."""
     model = build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"])
-    from .adapters import find_experts
-    from .baselines import ReplicatedModel
-
     adapter, experts = find_experts(model)
+    num_experts = experts[0][1].num_experts
     layer_bytes = sum(t.numel() * t.element_size() for t in adapter.expert_tensors(experts[0][1]))
-    remote = layer_bytes - layer_bytes * -(-experts[0][1].num_experts // opts["ranks"]) // experts[0][1].num_experts
+    remote = layer_bytes * (num_experts - -(-num_experts // opts["ranks"])) // num_experts
     src, dst = torch.ones(max(remote, 1), dtype=torch.uint8), torch.empty(max(remote, 1), dtype=torch.uint8)
     copy = time_fn(lambda: dst.copy_(src), warmup=2, repeats=5)
     lengths = [opts["isl"]] * max(1, opts["max_num_tokens"] // opts["isl"])
-    from .workload import Forward
-
     inputs = forward_inputs(Forward(tuple(lengths)), opts["model"]["vocab"], opts["seed"])
     wrapped = ReplicatedModel(model)
     group.barrier()  # both ranks measure at once: the machine is as loaded as in the runs
@@ -183,14 +202,9 @@ def _rank_main(rank: int, opts: dict, progress) -> dict:
         inputs = [forward_inputs(f, opts["model"]["vocab"], opts["seed"] * 1_000_003 + rank * 10_007 + i)
                   for i, f in enumerate(stream.forwards)]
         for round_index in range(opts["rounds"]):
-            # Rotating the order spreads slow spells of a shared machine over every mode.
-            shift = round_index % len(opts["modes"])
-            for mode in opts["modes"][shift:] + opts["modes"][:shift]:
-                result = _run_mode(mode, group, workload, inputs, opts)
+            for result in _run_cv(group, workload, inputs, opts, progress):
                 result.update(cv=cv, round=round_index)
                 out["runs"].append(result)
-                if progress is not None and rank == 0:
-                    progress.put((cv, mode))
     return out
 
 
@@ -318,7 +332,7 @@ def _launch_with_progress(opts: dict, timeout_s: float, show: bool) -> list[dict
 
     runner = threading.Thread(target=target, daemon=True)
     runner.start()
-    total = len(opts["cvs"]) * len(opts["modes"]) * opts["rounds"]
+    total = sum(_workload(opts, cv).num_steps for cv in opts["cvs"]) * opts["rounds"]
     progress = None
     if show:
         try:
@@ -334,11 +348,11 @@ def _launch_with_progress(opts: dict, timeout_s: float, show: bool) -> list[dict
     try:
         while runner.is_alive():
             try:
-                cv, mode = events.get(timeout=0.2)
+                cv, step, steps = events.get(timeout=0.2)
             except queue.Empty:
                 continue
             if progress:
-                progress.update(task, advance=1, description=f"done cv={cv:.2f} {mode}")
+                progress.update(task, advance=1, description=f"cv={cv:.2f} step {step}/{steps}")
         runner.join()
     finally:
         if progress:
