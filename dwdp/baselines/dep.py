@@ -124,7 +124,7 @@ def dep_experts_forward(
     _all_to_all(rt, x_recv, x_send, recv_splits, send_splits)
 
     # Received rows come source by source, each source's rows by local expert: regroup by expert.
-    local_slot = torch.arange(max_local).repeat(size)                           # [G * L]
+    local_slot = torch.arange(max_local, device=recv_counts.device).repeat(size)  # [G * L]
     row_expert = torch.repeat_interleave(local_slot, recv_counts)               # [R]
     _, regroup = torch.sort(row_expert, stable=True)                            # [R]
     num_local = rt.starts[rt.rank + 1] - rt.starts[rt.rank]
@@ -174,6 +174,7 @@ class DEPModel(torch.nn.Module):
         pad = [[starts[r] + j if starts[r] + j < starts[r + 1] else num_experts for j in range(max_local)]
                for r in range(group.size)]
         full = tensor_bytes(t for _, m in experts for t in adapter.expert_tensors(m))
+        device = first.gate_up_proj.device
         self.stats = CommStats()
         for _, module in experts:
             # Clones, so dropping the stacked [E, ...] parameters frees the other ranks' experts.
@@ -181,7 +182,7 @@ class DEPModel(torch.nn.Module):
             adapter.replace_tensors(module, local)
             module._dep_runtime = DEPRuntime(
                 group.rank, group.size, group.process_group if group.size > 1 else None, starts, max_local,
-                torch.tensor(pad, dtype=torch.long).reshape(-1), self.stats,
+                torch.tensor(pad, dtype=torch.long, device=device).reshape(-1), self.stats,
             )
         local_tensors = [t for _, m in experts for t in adapter.expert_tensors(m)]
         self.model = model
