@@ -11,5 +11,6 @@ import sys
 from dwdp.bench_compare import add_arguments, run_compare
 
 if __name__ == "__main__":
-    parser = add_arguments(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = add_arguments(argparse.ArgumentParser(description=__doc__, formatter_class=formatter))
     sys.exit(run_compare(parser.parse_args()))

@@ -85,7 +85,8 @@ def options_from_args(args: argparse.Namespace) -> dict:
         ranks=args.ranks, cvs=tuple(pick(args.cvs, "cvs")), modes=tuple(args.modes), family=args.family,
         model=model, tokens_per_rank=pick(args.tokens_per_rank, "tokens_per_rank"), isl=pick(args.isl, "isl"),
         isl_ratio=args.isl_ratio, max_num_tokens=pick(args.max_num_tokens, "max_num_tokens"),
-        rounds=pick(args.rounds, "rounds"), threads=args.threads, slice_bytes=args.slice_bytes, seed=args.seed, quick=args.quick,
+        rounds=pick(args.rounds, "rounds"), threads=args.threads, slice_bytes=args.slice_bytes, seed=args.seed,
+        quick=args.quick,
     )
     for name in ("ranks", "threads", "rounds"):
         if opts[name] < 1:
@@ -217,7 +218,8 @@ def _waits_dep(per_rank_runs: list[dict]) -> list[float]:
 
 def _aggregate(opts: dict, cv: float, mode: str, rounds: list[list[dict]]) -> dict:
     """One (cv, mode) row from `rounds[i][rank]` run records: medians over rounds, pooled latencies."""
-    waits = [(_waits_dep(runs) if mode == "dep" and opts["ranks"] > 1 else [r["wait_s"] for r in runs]) for runs in rounds]
+    waits = [_waits_dep(runs) if mode == "dep" and opts["ranks"] > 1 else [r["wait_s"] for r in runs]
+             for runs in rounds]
     totals = [sum(r["tokens_per_s"] for r in runs) for runs in rounds]
 
     def per_rank(key: str) -> list[float]:
@@ -246,8 +248,8 @@ def summarize(opts: dict, rank_outputs: list[dict]) -> dict:
     results = []
     for cv in opts["cvs"]:
         for mode in opts["modes"]:
-            rounds = [[next(r for r in o["runs"] if (r["cv"], r["mode"], r["round"]) == (cv, mode, i)) for o in rank_outputs]
-                      for i in range(opts["rounds"])]
+            rounds = [[next(r for r in o["runs"] if (r["cv"], r["mode"], r["round"]) == (cv, mode, i))
+                       for o in rank_outputs] for i in range(opts["rounds"])]
             results.append(_aggregate(opts, cv, mode, rounds))
     by = {(r["cv"], r["mode"]): r for r in results}
     ratios = []
@@ -304,7 +306,8 @@ def plot(summary: dict, opts: dict, path: Path) -> None:
     for key, marker in (("dwdp_over_dep", "s"), ("dwdp_over_replicated", "^")):
         rows = [r for r in summary["ratios"] if key in r]
         if rows:
-            right.plot([r["cv"] for r in rows], [r[key] for r in rows], marker + "-", label=key.replace("_over_", " / "))
+            label = key.replace("_over_", " / ")
+            right.plot([r["cv"] for r in rows], [r[key] for r in rows], marker + "-", label=label)
     right.axhline(1.0, color="grey", lw=0.8, ls=":")
     right.set_xlabel("CV of per-rank total tokens")
     right.set_ylabel("throughput ratio")
@@ -340,8 +343,8 @@ def _launch_with_progress(opts: dict, timeout_s: float, show: bool) -> list[dict
         except ImportError:
             show = False
         else:
-            progress = Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                                TimeElapsedColumn(), transient=False)
+            progress = Progress(TextColumn("{task.description}"), BarColumn(),
+                                TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), transient=False)
     task = progress.add_task("starting ranks", total=total) if progress else None
     if progress:
         progress.start()
@@ -372,7 +375,8 @@ def run_compare(args: argparse.Namespace) -> int:
     workloads = [_workload(opts, cv) for cv in opts["cvs"]]
     m = opts["model"]
     print(f"dwdp bench compare: {opts['ranks']} ranks x {opts['threads']} thread(s), modes {', '.join(opts['modes'])}; "
-          f"{opts['family']} hidden {m['hidden']}, {m['num_experts']} experts top-{m['top_k']}, {m['num_layers']} layers")
+          f"{opts['family']} hidden {m['hidden']}, {m['num_experts']} experts top-{m['top_k']}, "
+          f"{m['num_layers']} layers")
     for w in workloads:
         print(w.describe())
     load_before = os.getloadavg()
@@ -386,8 +390,9 @@ def run_compare(args: argparse.Namespace) -> int:
     stem = f"compare_{device}" + ("_quick" if opts["quick"] else "")
     report = dict(
         argv=list(sys.argv),
-        device=device, machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(), processor=platform.processor(),
-                                    python=platform.python_version(), torch=torch.__version__),
+        device=device, machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(),
+                                    processor=platform.processor(), python=platform.python_version(),
+                                    torch=torch.__version__),
         options={k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items()},
         load_average_1min=dict(before=load_before[0], after=os.getloadavg()[0]),
         workloads=[w.as_dict() for w in workloads], elapsed_s=elapsed, **summary,
@@ -396,7 +401,8 @@ def run_compare(args: argparse.Namespace) -> int:
     plot(summary, opts, out_dir / f"{stem}.png")
     reg = summary["regime"]
     print(f"regime: one layer's compute {reg['t_compute_layer_ms']:.1f} ms at {reg['tokens_per_forward']} tokens vs "
-          f"copying its remote experts {reg['t_prefetch_layer_ms']:.2f} ms ({reg['remote_bytes_per_layer'] / 2**20:.1f} MiB)")
+          f"copying its remote experts {reg['t_prefetch_layer_ms']:.2f} ms "
+          f"({reg['remote_bytes_per_layer'] / 2**20:.1f} MiB)")
     mem = summary["resident_bytes_per_rank"]
     if "replicated_over_dwdp" in mem:
         print(f"memory: replicated holds {(mem['replicated'] - mem['dwdp']) / 2**20:.1f} MiB more per rank than dwdp "

@@ -48,7 +48,8 @@ class WorkloadConfig:
         if not 0.0 <= self.cv < 1.0:
             raise ValueError(f"cv={self.cv} must be in [0, 1)")
         if self.max_num_tokens < self.isl:
-            raise ValueError(f"max_num_tokens={self.max_num_tokens} must be >= isl={self.isl}: a request must fit one forward")
+            raise ValueError(
+                f"max_num_tokens={self.max_num_tokens} must be >= isl={self.isl}: a request must fit one forward")
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ def _dep_case(model, inputs: dict, group, extra_forward: bool) -> dict:
     others run an idle step in the same step."""
     with torch.no_grad():
         reference = model(**inputs).logits
-        full = sum(t.numel() for m in model.modules() if hasattr(m, "gate_up_proj") for t in (m.gate_up_proj, m.down_proj))
+        full = sum(t.numel() for m in model.modules() if hasattr(m, "gate_up_proj")
+                   for t in (m.gate_up_proj, m.down_proj))
         layers = _moe_layers(model)
         wrapped = DEPModel(model, group)
         got = wrapped(**inputs).logits

@@ -9,4 +9,5 @@ Both are transforms of a finished model, called exactly like it, like `DWDPModel
 from .dep import DEP_IMPLEMENTATION, CommStats, DEPModel, expert_split
 from .replicated import REPLICATED_IMPLEMENTATION, ReplicatedModel
 
-__all__ = ["CommStats", "DEPModel", "DEP_IMPLEMENTATION", "REPLICATED_IMPLEMENTATION", "ReplicatedModel", "expert_split"]
+__all__ = ["CommStats", "DEPModel", "DEP_IMPLEMENTATION", "REPLICATED_IMPLEMENTATION", "ReplicatedModel",
+           "expert_split"]

@@ -37,7 +37,8 @@ DEP_IMPLEMENTATION = "dwdp_dep"
 def expert_split(num_experts: int, group_size: int) -> tuple[int, ...]:
     """Starts of each rank's contiguous expert range: rank r owns [starts[r], starts[r+1]); G + 1 entries."""
     if not 1 <= group_size <= num_experts:
-        raise ValueError(f"group_size={group_size} must be in [1, num_experts={num_experts}]: every rank needs an expert")
+        raise ValueError(
+            f"group_size={group_size} must be in [1, num_experts={num_experts}]: every rank needs an expert")
     return tuple(r * num_experts // group_size for r in range(group_size + 1))
 
 
@@ -106,7 +107,8 @@ def dep_experts_forward(
     """hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H]; T may be 0."""
     rt: DEPRuntime | None = getattr(self, "_dep_runtime", None)
     if rt is None:
-        raise RuntimeError(f"{type(self).__name__} is set to the 'dwdp_dep' experts implementation but was not wrapped by DEPModel")
+        raise RuntimeError(
+            f"{type(self).__name__} is set to the 'dwdp_dep' experts implementation but was not wrapped by DEPModel")
     top_k = top_k_index.shape[1]
     hidden = hidden_states.shape[1]
     num_experts, size, max_local = rt.starts[-1], rt.size, rt.max_local
@@ -129,7 +131,8 @@ def dep_experts_forward(
     _, regroup = torch.sort(row_expert, stable=True)                            # [R]
     num_local = rt.starts[rt.rank + 1] - rt.starts[rt.rank]
     rows_per_expert = recv_matrix.sum(0)[:num_local].tolist()
-    y_grouped = expert_mlp(self, x_recv[regroup], rows_per_expert, self.gate_up_proj.unbind(0), self.down_proj.unbind(0))
+    weights = (self.gate_up_proj.unbind(0), self.down_proj.unbind(0))          # this rank's experts only
+    y_grouped = expert_mlp(self, x_recv[regroup], rows_per_expert, *weights)  # [R, H] grouped by expert
     y_recv = torch.empty_like(y_grouped)                                        # [R, H] in arrival order
     y_recv[regroup] = y_grouped
 
@@ -167,7 +170,8 @@ class DEPModel(torch.nn.Module):
         num_experts = first.num_experts
         for name, module in experts:
             if module.num_experts != num_experts:
-                raise ValueError(f"{name} has {module.num_experts} experts; expected {num_experts} like {experts[0][0]}")
+                raise ValueError(
+                    f"{name} has {module.num_experts} experts; expected {num_experts} like {experts[0][0]}")
         starts = expert_split(num_experts, group.size)
         lo, hi = starts[group.rank], starts[group.rank + 1]
         max_local = max(b - a for a, b in zip(starts, starts[1:]))

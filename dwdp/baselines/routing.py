@@ -52,7 +52,9 @@ def expert_mlp(
     return grouped_gemm_reference(h, offsets, down)          # [R, H]
 
 
-def combine(y_sorted: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def combine(
+    y_sorted: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """y_sorted [S, H] in `perm` order, top_k_weights [T, k] -> [T, H] in `dtype`.
 
     Routing weights keep their own dtype (often fp32), so the weighted sum is not rounded to bf16.
