@@ -21,7 +21,10 @@ from dwdp.tiny import FAMILIES, build_tiny_model
 LAYOUTS = ("stacked", "per_expert")
 ATOL, RTOL = 1e-6, 1e-6          # same weights, same code path: only summation order may differ
 MIB = 1 << 20
-NOISE_BYTES = 8 * MIB            # interpreter and allocator noise in an RSS delta
+NOISE_BYTES = 8 * MIB            # interpreter and allocator noise in an RSS delta at the load peak
+# After the load, freed-but-cached heap and lazily imported code stay resident too; far below the
+# non-local experts this bound exists to catch (half or more of the experts in these tests).
+STEADY_NOISE_BYTES = 24 * MIB
 
 
 # -- writing checkpoints ------------------------------------------------------------------------
@@ -217,7 +220,8 @@ def test_load_peak_memory_is_dense_plus_local_experts(launches, group_size):
         )
         # The measurement sees the local experts at all (a broken RSS reading would pass the bound).
         assert r["steady_bytes"] >= 0.9 * r["local_expert_bytes"], (where, r)
-        assert r["steady_bytes"] <= r["dense_bytes"] + r["local_expert_bytes"] + NOISE_BYTES, (where, r)
+        assert r["steady_bytes"] <= r["dense_bytes"] + r["local_expert_bytes"] + STEADY_NOISE_BYTES, (where, r)
+        assert STEADY_NOISE_BYTES < r["full_expert_bytes"] - r["local_expert_bytes"], (where, r)
 
 
 # -- other checkpoints in one process (one-rank group) -------------------------------------------
