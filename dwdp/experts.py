@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from . import phases
-from .kernels.reference import grouped_gemm_reference
+from .expert_math import combine, expert_mlp
 from .tracing import now_us
 
 EXPERTS_IMPLEMENTATION = "dwdp"
@@ -46,12 +46,9 @@ def _run_experts(module, x_sorted: torch.Tensor, offsets: list[int], tables: Lay
                  out: torch.Tensor) -> None:
     """out[rows of experts lo..hi) = down(gate(gate_up(x))) for table positions lo..hi."""
     r0, r1 = offsets[lo], offsets[hi]
-    if r1 == r0:
-        return
-    local_offsets = [o - r0 for o in offsets[lo : hi + 1]]
-    h = grouped_gemm_reference(x_sorted[r0:r1], local_offsets, tables.gate_up[lo:hi])  # [s, 2I]
-    h = module._apply_gate(h)                                                           # [s, I]
-    out[r0:r1] = grouped_gemm_reference(h, local_offsets, tables.down[lo:hi])           # [s, H]
+    if r1 > r0:
+        counts = [b - a for a, b in zip(offsets[lo:hi], offsets[lo + 1 : hi + 1])]
+        out[r0:r1] = expert_mlp(module, x_sorted[r0:r1], counts, tables.gate_up[lo:hi], tables.down[lo:hi])
 
 
 def dwdp_experts_forward(
@@ -66,7 +63,7 @@ def dwdp_experts_forward(
         raise RuntimeError(
             f"{type(self).__name__} is set to the 'dwdp' experts implementation but was not wrapped by DWDPModel"
         )
-    num_tokens, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     num_experts = runtime.position.numel()
     prefetcher = runtime.prefetcher
     recorder = prefetcher.recorder
@@ -100,11 +97,7 @@ def dwdp_experts_forward(
         prefetcher.wait(runtime.layer, slot)
     finally:
         prefetcher.release(slot)
-    # Routing weights keep their own dtype (often fp32), so the weighted sum is not rounded to bf16.
-    weighted = out_sorted * top_k_weights.reshape(-1)[perm].unsqueeze(-1)   # [S, H]
-    out = torch.empty_like(weighted)                                         # [S, H] in token order
-    out[perm] = weighted
-    result = out.view(num_tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    result = combine(out_sorted, perm, top_k_weights, hidden_states.dtype)   # [T, H]
     if recorder is not None:
         recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
     return result

@@ -26,6 +26,7 @@ from .plan import PlanCache, SegmentLayout, slot_layout
 from .prefetch import Prefetcher
 from .tracing import TraceRecorder, attach_phase_hooks
 from .transport import make_transport, resolve_backend
+from .wrapping import ModelWrapper, dense_bytes
 
 log = logging.getLogger("dwdp")
 
@@ -74,12 +75,7 @@ def _choose_experts_kernel(requested: str, device: torch.device, experts) -> str
     return "reference"
 
 
-def _dense_bytes(model: torch.nn.Module, skip: set[int]) -> int:
-    tensors = list(model.parameters()) + list(model.buffers())
-    return sum(t.numel() * t.element_size() for t in tensors if id(t) not in skip)
-
-
-class DWDPModel(torch.nn.Module):
+class DWDPModel(ModelWrapper):
     """One rank of a DWDP group around `model`, called exactly like `model`.
 
     model: a transformers 5 MoE model (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, OLMoE), on the
@@ -207,12 +203,12 @@ class DWDPModel(torch.nn.Module):
             self._hooks.append(model.register_forward_hook(lambda *_: self.recorder.end_forward()))
             self._hooks += attach_phase_hooks(model, self.recorder, [name for name, _ in experts])
 
-        expert_ids = {id(t) for m in self.experts_modules for t in adapter.expert_tensors(m)}
+        local_tensors = [t for m in self.experts_modules for t in adapter.expert_tensors(m)]
         self.memory = MemoryReport(
             full_expert_bytes=full_bytes,
             local_expert_bytes=segment_layout.total_nbytes,
             prefetch_buffer_bytes=config.num_buffers * slots.total_nbytes,
-            dense_bytes=_dense_bytes(model, expert_ids),
+            dense_bytes=dense_bytes(model, local_tensors),
         )
         log.info("rank %d/%d: %s backend, %s", group.rank, group.size, backend, self.memory)
 
@@ -228,16 +224,6 @@ class DWDPModel(torch.nn.Module):
                 block = buffer[start : start + nbytes].view(dtype).view(n, *shape)  # [n_p, ...]
                 dst.extend(block.unbind(0))
         return LayerTables(gate_up, down)
-
-    # -- the wrapped model is called exactly like the original ---------------------------------
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
 
     @property
     def stats(self):

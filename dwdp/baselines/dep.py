@@ -28,8 +28,8 @@ import torch.distributed as dist
 from ..adapters import find_experts
 from ..group import DWDPGroup, init_group
 from ..model import MemoryReport
-from .replicated import dense_bytes, tensor_bytes
-from .routing import combine, expert_mlp, sort_by_expert
+from ..wrapping import ModelWrapper, dense_bytes, tensor_bytes
+from ..expert_math import combine, expert_mlp, sort_by_expert
 
 DEP_IMPLEMENTATION = "dwdp_dep"
 
@@ -150,7 +150,7 @@ def register_dep_implementation() -> None:
     ALL_EXPERTS_FUNCTIONS.register(DEP_IMPLEMENTATION, dep_experts_forward)
 
 
-class DEPModel(torch.nn.Module):
+class DEPModel(ModelWrapper):
     """One rank of an expert-parallel (DEP) group around `model`, called exactly like `model`.
 
     model: a transformers 5 MoE model of a supported family, identical on every rank (same
@@ -199,15 +199,6 @@ class DEPModel(torch.nn.Module):
             full_expert_bytes=full, local_expert_bytes=tensor_bytes(local_tensors), prefetch_buffer_bytes=0,
             dense_bytes=dense_bytes(model, local_tensors),
         )
-
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
 
     @torch.no_grad()
     def idle_step(self) -> None:

@@ -11,7 +11,8 @@ import torch
 
 from ..adapters import find_experts
 from ..model import MemoryReport
-from .routing import combine, expert_mlp, sort_by_expert
+from ..wrapping import ModelWrapper, dense_bytes, tensor_bytes
+from ..expert_math import combine, expert_mlp, sort_by_expert
 
 REPLICATED_IMPLEMENTATION = "dwdp_replicated"
 
@@ -37,17 +38,7 @@ def register_replicated_implementation() -> None:
     ALL_EXPERTS_FUNCTIONS.register(REPLICATED_IMPLEMENTATION, replicated_experts_forward)
 
 
-def tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def dense_bytes(model: torch.nn.Module, expert_tensors) -> int:
-    """Bytes of every parameter and buffer of `model` that is not one of `expert_tensors`."""
-    skip = {id(t) for t in expert_tensors}
-    return tensor_bytes(t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in skip)
-
-
-class ReplicatedModel(torch.nn.Module):
+class ReplicatedModel(ModelWrapper):
     """`model` with its experts run by the same grouped path as DWDP and DEP, all experts local.
 
     model: a transformers 5 MoE model of a supported family; called exactly like it.
@@ -67,15 +58,6 @@ class ReplicatedModel(torch.nn.Module):
             full_expert_bytes=full, local_expert_bytes=full, prefetch_buffer_bytes=0,
             dense_bytes=dense_bytes(model, expert_tensors),
         )
-
-    def forward(self, *args, **kwargs):
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(self.model, name)
 
     def close(self) -> None:
         """Nothing to release; present so the three modes are driven the same way."""

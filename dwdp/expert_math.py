@@ -1,4 +1,4 @@
-"""Experts math shared by the baselines: sort token-expert pairs by expert, run each expert on its
+"""Experts math shared by DWDP and the baselines: sort token-expert pairs by expert, run each expert on its
 contiguous rows, weight and sum the k contributions of every token.
 
 Legend: T = tokens, k = experts per token, S = T * k token-expert pairs, R = rows an experts call
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..kernels.reference import grouped_gemm_reference
+from .kernels.reference import grouped_gemm_reference
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
