@@ -6,9 +6,8 @@ from dwdp.baselines import DEPModel, ReplicatedModel, expert_split
 from dwdp.baselines.dep import waits_from_calls
 from dwdp.group import DWDPGroup, init_group, launch_local
 from dwdp.tiny import build_tiny_model
+from logits_check import BF16_ATOL, BF16_RTOL, check_logits
 
-ATOL, RTOL = 1e-5, 1e-5          # fp32 logits, relative to the largest logit
-BF16_ATOL, BF16_RTOL = 2e-2, 2e-2
 FAMILIES = ("mixtral", "deepseek_v3", "qwen2_moe")
 
 
@@ -82,18 +81,13 @@ def group_results(request):
     return group_size, launch_local(_group_rank, group_size, (group_size,), timeout_s=200)
 
 
-def _check(name: str, r: dict, rank: int, atol: float = ATOL, rtol: float = RTOL) -> None:
-    bound = atol + rtol * r["scale"]
-    assert r["diff"] <= bound, f"{name} rank {rank}: max|diff|={r['diff']:.3e} > {bound:.3e}"
-
-
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_dep_equals_unwrapped(group_results, family):
     group_size, results = group_results
     for rank, per_rank in enumerate(results):
         r = per_rank[f"dep_{family}"]
-        _check(f"dep {family}", r, rank)
+        check_logits(f"dep {family}", r, rank)
         # Two steps (a forward, then a forward or an idle step), three all-to-alls per MoE layer each.
         assert r["calls"] == 2 * 3 * r["layers"], (family, rank, r["calls"], r["layers"])
         assert r["idle_steps"] == (0 if rank == 0 else 1), (family, rank, r["idle_steps"])
@@ -109,7 +103,7 @@ def test_replicated_equals_unwrapped(group_results, family):
     _, results = group_results
     for rank, per_rank in enumerate(results):
         r = per_rank[f"replicated_{family}"]
-        _check(f"replicated {family}", r, rank)
+        check_logits(f"replicated {family}", r, rank)
         assert r["memory"].local_expert_bytes == r["memory"].full_expert_bytes
         assert r["memory"].prefetch_buffer_bytes == 0
 
@@ -119,7 +113,7 @@ def test_replicated_equals_unwrapped(group_results, family):
 def test_dep_awkward_cases(group_results, case):
     group_size, results = group_results
     for rank, per_rank in enumerate(results):
-        _check(case, per_rank[case], rank)
+        check_logits(case, per_rank[case], rank)
     if case == "dep_uneven_split":
         starts = expert_split(7, group_size)
         got = [round(per_rank[case]["local_fraction"] * 7) for per_rank in results]
@@ -130,14 +124,14 @@ def test_dep_awkward_cases(group_results, case):
 def test_dep_bf16(group_results):
     _, results = group_results
     for rank, per_rank in enumerate(results):
-        _check("dep bf16", per_rank["dep_bf16"], rank, BF16_ATOL, BF16_RTOL)
+        check_logits("dep bf16", per_rank["dep_bf16"], rank, BF16_ATOL, BF16_RTOL)
 
 
 def test_dep_one_rank_needs_no_collective():
     model = build_tiny_model("olmoe", seed=2)
     inputs = _tokens(0, 2, 7)
     r = _dep_case(model, inputs, DWDPGroup(rank=0, size=1), extra_forward=True)
-    _check("dep one rank", r, 0)
+    check_logits("dep one rank", r, 0)
     assert r["calls"] == 0 and r["local_fraction"] == 1.0
 
 

@@ -9,9 +9,8 @@ from dwdp.config import DWDPConfig
 from dwdp.group import init_group, launch_local
 from dwdp.model import DWDPModel
 from dwdp.tiny import FAMILIES, build_tiny_model
+from logits_check import BF16_ATOL, BF16_RTOL, check_logits
 
-ATOL, RTOL = 1e-5, 1e-5          # fp32 logits, relative to the largest logit
-BF16_ATOL, BF16_RTOL = 2e-2, 2e-2
 
 
 def _compare(model, inputs: dict, config: DWDPConfig, group) -> dict:
@@ -87,18 +86,13 @@ def group_results(request):
     return group_size, launch_local(_group_rank, group_size, (group_size,), timeout_s=400)
 
 
-def _check(name: str, r: dict, rank: int, atol: float = ATOL, rtol: float = RTOL) -> None:
-    bound = atol + rtol * r["scale"]
-    assert r["diff"] <= bound, f"{name} rank {rank}: max|diff|={r['diff']:.3e} > {bound:.3e}"
-
-
 @pytest.mark.timeout(450)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_family_equals_unwrapped(group_results, family):
     group_size, results = group_results
     for rank, per_rank in enumerate(results):
         r = per_rank[family]
-        _check(family, r, rank)
+        check_logits(family, r, rank)
         assert r["stacked_freed"], f"{family} rank {rank}: the stacked [E, ...] experts were not freed"
         lowest = -(-8 // group_size)
         assert r["local_expert_bytes"] == r["full_expert_bytes"] * lowest // 8, (family, rank, r)
@@ -115,12 +109,12 @@ AWKWARD = ["one_token", "zero_tokens_for_some_experts", "slice_larger_than_exper
 def test_awkward_cases(group_results, case):
     _, results = group_results
     for rank, per_rank in enumerate(results):
-        _check(case, per_rank[case], rank)
+        check_logits(case, per_rank[case], rank)
 
 
 @pytest.mark.timeout(450)
 def test_bf16_and_generate(group_results):
     _, results = group_results
     for rank, per_rank in enumerate(results):
-        _check("bf16", per_rank["bf16"], rank, BF16_ATOL, BF16_RTOL)
+        check_logits("bf16", per_rank["bf16"], rank, BF16_ATOL, BF16_RTOL)
         assert per_rank["generate_equal"], f"rank {rank}: generate() differs from the unwrapped model"
