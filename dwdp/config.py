@@ -8,6 +8,8 @@ from pathlib import Path
 
 BACKENDS = ("auto", "host", "cuda")
 EXPERTS_KERNELS = ("auto", "reference", "triton")
+CUDA_COPIES = ("batch", "memcpy")
+CUDA_MAPPINGS = ("auto", "ipc", "symmetric_memory")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -32,6 +34,13 @@ class DWDPConfig:
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
     experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
         GEMM, local experts first), or "auto": triton for CUDA models, reference otherwise.
+    cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
+        batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
+    copy_batches: most batches one layer's copy is cut into (cuda); each ends where experts complete,
+        and its event tells compute that they have landed.
+    cuda_mapping: how the cuda backend maps peers' segments: "ipc" (CUDA IPC, one node),
+        "symmetric_memory" (torch.distributed._symmetric_memory, multi-node NVLink) or "auto":
+        ipc when every rank of the group is on this host.
     """
 
     group_size: int | None = None
@@ -42,6 +51,9 @@ class DWDPConfig:
     wait_timeout_s: float = 60.0
     inflight: int = 2
     experts_kernel: str = "auto"
+    cuda_copy: str = "batch"
+    copy_batches: int = 4
+    cuda_mapping: str = "auto"
 
     def __post_init__(self):
         if self.group_size is not None:
@@ -55,6 +67,11 @@ class DWDPConfig:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.experts_kernel not in EXPERTS_KERNELS:
             raise ValueError(f"experts_kernel={self.experts_kernel!r} is not one of {EXPERTS_KERNELS}")
+        if self.cuda_copy not in CUDA_COPIES:
+            raise ValueError(f"cuda_copy={self.cuda_copy!r} is not one of {CUDA_COPIES}")
+        _check_int("copy_batches", self.copy_batches, 1, 1024)
+        if self.cuda_mapping not in CUDA_MAPPINGS:
+            raise ValueError(f"cuda_mapping={self.cuda_mapping!r} is not one of {CUDA_MAPPINGS}")
         timeout = self.wait_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
             raise ValueError(f"wait_timeout_s={timeout!r} must be a finite number of seconds > 0")

@@ -63,11 +63,23 @@ def dwdp_experts_forward(
         raise RuntimeError(
             f"{type(self).__name__} is set to the 'dwdp' experts implementation but was not wrapped by DWDPModel"
         )
-    top_k = top_k_index.shape[1]
-    num_experts = runtime.position.numel()
     prefetcher = runtime.prefetcher
     recorder = prefetcher.recorder
     start = now_us() if recorder is not None else 0.0
+    if prefetcher.nvtx is not None:
+        prefetcher.nvtx.push(phases.MOE_COMPUTE, runtime.layer)
+        try:
+            return _experts_forward(self, runtime, hidden_states, top_k_index, top_k_weights, recorder, start)
+        finally:
+            prefetcher.nvtx.pop()
+    return _experts_forward(self, runtime, hidden_states, top_k_index, top_k_weights, recorder, start)
+
+
+def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, top_k_weights, recorder,
+                     start: float) -> torch.Tensor:
+    top_k = top_k_index.shape[1]
+    num_experts = runtime.position.numel()
+    prefetcher = runtime.prefetcher
     # Issue this layer's copy (if not already in flight) and the next layer's, before any compute.
     slot = prefetcher.begin(runtime.layer)
     if runtime.kernel_tables is not None:

@@ -51,7 +51,14 @@ class DWDPGroup:
 
 
 def default_backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    """gloo for the one-time handle exchange, plus nccl for CUDA tensors (the DEP baseline's
+    all-to-all) when every local rank has a GPU of its own: NCCL refuses two ranks on one device."""
+    if not torch.cuda.is_available():
+        return "gloo"
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if local_ranks > torch.cuda.device_count():
+        return "gloo"
+    return "cpu:gloo,cuda:nccl"
 
 
 def init_group(group_size: int | None = None, backend: str | None = None, timeout_s: float = 120.0) -> DWDPGroup:

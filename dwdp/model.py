@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +25,8 @@ from .group import DWDPGroup, init_group
 from .placement import build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
 from .prefetch import Prefetcher
-from .tracing import TraceRecorder, attach_phase_hooks
+from .nvtx_ranges import NvtxRanges
+from .tracing import TraceRecorder, attach_nvtx_hooks, attach_phase_hooks
 from .transport import make_transport, resolve_backend
 from .wrapping import ModelWrapper, dense_bytes
 
@@ -75,11 +77,20 @@ def _choose_experts_kernel(requested: str, device: torch.device, experts) -> str
     return "reference"
 
 
+def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
+    """CUDA IPC when every rank of the group is on this host, symmetric memory otherwise."""
+    if requested != "auto":
+        return requested
+    hosts = group.all_gather_object(socket.gethostname())
+    return "ipc" if len(set(hosts)) == 1 else "symmetric_memory"
+
+
 class DWDPModel(ModelWrapper):
     """One rank of a DWDP group around `model`, called exactly like `model`.
 
     model: a transformers 5 MoE model (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, OLMoE), on the
-        CPU for the host backend; it is modified in place (its non-local experts are freed).
+        CPU (host backend) or on this rank's CUDA device (cuda backend); it is modified in place
+        (its non-local experts are freed).
     config: DWDPConfig, or the path of one saved as JSON (`dwdp tune` writes one); group_size None
         means the whole DWDP group passed in `group`.
     group: DWDPGroup; None joins the env:// world (torchrun) or, without one, a one-rank group.
@@ -137,7 +148,9 @@ class DWDPModel(ModelWrapper):
         slots = slot_layout(placement, group.rank, tensor_nbytes)
         full_bytes = len(experts) * num_experts * sum(tensor_nbytes)
 
-        transport = make_transport(backend, group.rank, config.inflight)
+        mapping = _cuda_mapping(config.cuda_mapping, group) if backend == "cuda" else "ipc"
+        transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
+                                   process_group=group.process_group)
         self.transport = transport
         self._finalizer = weakref.finalize(self, transport.close)
         try:
@@ -176,6 +189,7 @@ class DWDPModel(ModelWrapper):
         table_order = list(placement.local_experts(group.rank)) + remote_order
         position = torch.empty(num_experts, dtype=torch.long)
         position[torch.tensor(table_order)] = torch.arange(num_experts)
+        position = position.to(slot_buffers[0].device)  # indexed by the router's ids, on their device
         self.experts_kernel = _choose_experts_kernel(config.experts_kernel, device, experts)
         for layer, module in enumerate(self.experts_modules):
             tables = [self._layer_tables(module, slots, buf, shapes, dtype) for buf in slot_buffers]
@@ -193,6 +207,9 @@ class DWDPModel(ModelWrapper):
         register_experts_implementation()
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
         self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())]
+        if backend == "cuda":
+            self.prefetcher.nvtx = NvtxRanges()
+            self._hooks += attach_nvtx_hooks(model, self.prefetcher.nvtx, [name for name, _ in experts])
         self.recorder = None
         trace = trace or envs.trace_dir()
         if trace:

@@ -160,3 +160,43 @@ class PlanCache:
 
     def _build(self, layer: int, slot: int) -> CopyPlan:
         return build_copy_plan(self.placement, self.rank, layer, slot, self.segment, self.slice_bytes)
+
+
+@dataclass(frozen=True)
+class CopyBatch:
+    """Slices `start:stop` of a plan, issued as one unordered batch; after it every expert in
+    `completes` has all of its slices landed (earlier batches are stream-ordered before it)."""
+
+    start: int
+    stop: int
+    completes: tuple[int, ...]
+    peers: tuple[int, ...]
+
+
+def cut_batches(plan: CopyPlan, max_batches: int) -> tuple[CopyBatch, ...]:
+    """Cut `plan` into at most `max_batches` batches of about equal bytes, only where an expert's
+    last slice ends, so each expert becomes ready with the batch that holds its last slice.
+
+    Copies inside a batch have no order, so a cut elsewhere would buy no readiness; slices keep
+    their round-robin order across batches.
+    """
+    if max_batches < 1:
+        raise ValueError(f"max_batches={max_batches} must be >= 1")
+    if not plan.slices:
+        return ()
+    last = {s.expert: i for i, s in enumerate(plan.slices)}
+    ends = {}  # slice index -> experts whose last slice it is
+    for expert, i in last.items():
+        ends.setdefault(i, []).append(expert)
+    total = plan.nbytes
+    batches, start, done_bytes = [], 0, 0
+    for i, s in enumerate(plan.slices):
+        done_bytes += s.nbytes
+        is_last = i == len(plan.slices) - 1
+        wanted = len(batches) + 1  # the batch being filled: cut once its share of the bytes is in
+        if i in ends and (is_last or (wanted < max_batches and done_bytes * max_batches >= wanted * total)):
+            chunk = plan.slices[start : i + 1]
+            completes = tuple(sorted(e for j in range(start, i + 1) for e in ends.get(j, ())))
+            batches.append(CopyBatch(start, i + 1, completes, tuple(sorted({c.peer for c in chunk}))))
+            start = i + 1
+    return tuple(batches)

@@ -61,6 +61,7 @@ class Prefetcher:
         self._visit = 0
         self._cond = threading.Condition()
         self.recorder = None  # a dwdp.tracing.TraceRecorder while tracing
+        self.nvtx = None      # a dwdp.nvtx_ranges.NvtxRanges on CUDA
 
     @property
     def num_buffers(self) -> int:
@@ -112,10 +113,16 @@ class Prefetcher:
         # Measured around the whole call: waking up and getting the interpreter back after the
         # copies land is part of what this rank waited, and the trace reports the same span.
         start = now_us()
-        if experts is None:
-            slot.ticket.wait(self.timeout_s)
-        else:
-            slot.ticket.wait_experts(experts, self.timeout_s)
+        if self.nvtx is not None:
+            self.nvtx.push(phases.PREFETCH_WAIT, layer, slot_index)
+        try:
+            if experts is None:
+                slot.ticket.wait(self.timeout_s)
+            else:
+                slot.ticket.wait_experts(experts, self.timeout_s)
+        finally:
+            if self.nvtx is not None:
+                self.nvtx.pop()
         end = now_us()
         waited = (end - start) / 1e6
         if self.recorder is not None:
@@ -131,16 +138,16 @@ class Prefetcher:
         """Compute no longer reads `slot_index`; a deferred copy into it may start."""
         slot = self.slots[slot_index]
         ticket = slot.ticket
-        if ticket is not None and slot.readers == 1 and ticket.finished_ns is None:
+        if ticket is not None and slot.readers == 1:
             # A reader that stopped early (an exception) must not let a new copy race the old one.
-            try:
-                ticket.wait(self.timeout_s)
-            except (RuntimeError, TimeoutError):
-                pass  # reported to whoever waits on this layer; the slot is re-filled on next use
+            ticket.fence_before_reuse(self.timeout_s)
         with self._cond:
             if slot.readers <= 0:
                 raise RuntimeError(f"release of slot {slot_index} that no compute holds")
             slot.readers -= 1
+            if slot.readers == 0:
+                # Every read of this slot is issued: a device copy into it must wait for them.
+                self.transport.release_slot(slot_index)
             if slot.readers == 0 and slot.deferred:
                 self._submit_locked(slot_index)
             self._cond.notify_all()
@@ -154,7 +161,7 @@ class Prefetcher:
                     s.deferred, s.layer = False, None
         for ticket in tickets:
             try:
-                ticket.wait(self.timeout_s)
+                ticket.synchronize(self.timeout_s)
             except RuntimeError:
                 pass  # a failed copy was already reported to the compute that waited on it
 
@@ -176,7 +183,13 @@ class Prefetcher:
         plan = self.plans.get(slot.layer, slot_index)
         slot.deferred = False
         start = now_us()
-        slot.ticket = self.transport.submit(plan, slot.buffer)
+        if self.nvtx is not None:
+            self.nvtx.push(phases.PREFETCH_ISSUE, slot.layer, slot_index)
+        try:
+            slot.ticket = self.transport.submit(plan, slot.buffer)
+        finally:
+            if self.nvtx is not None:
+                self.nvtx.pop()
         if self.recorder is not None:
             self.recorder.complete(phases.PREFETCH_ISSUE, start, now_us(), layer=slot.layer, slot=slot_index,
                                    iteration=self.recorder.iteration)

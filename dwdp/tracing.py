@@ -92,32 +92,44 @@ class TraceRecorder:
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 
-def attach_phase_hooks(model: torch.nn.Module, recorder: TraceRecorder, experts_names: list[str]) -> list:
-    """Time every attention block and MoE router of `model` with forward hooks; returns the handles."""
-    handles = []
-
-    def timed(module: torch.nn.Module, name: str, layer: int, **extra) -> None:
-        state = {}
-
-        def pre(*_):
-            state["t"] = now_us()
-
-        def post(*_):
-            recorder.complete(name, state.pop("t", now_us()), now_us(), layer=layer, iteration=recorder.iteration,
-                              **extra)
-
-        handles.append(module.register_forward_pre_hook(pre))
-        handles.append(module.register_forward_hook(post))
-
+def phase_modules(model: torch.nn.Module, experts_names: list[str]):
+    """(module, phase, decoder layer, extra args) for every attention block and MoE router."""
     for module_name, module in model.named_modules():
         match = _LAYER_INDEX.search(module_name + ".")
         if match and module_name.endswith(".self_attn"):
-            timed(module, phases.ATTENTION, int(match.group(1)))
+            yield module, phases.ATTENTION, int(match.group(1)), {}
     for moe_layer, experts_name in enumerate(experts_names):
         parent = model.get_submodule(experts_name.rsplit(".", 1)[0])
         router = getattr(parent, "gate", None)
         match = _LAYER_INDEX.search(experts_name + ".")
         if isinstance(router, torch.nn.Module) and match:
             # `layer` is the decoder layer, as for attention; `moe_layer` matches MoE compute's `layer`.
-            timed(router, phases.ROUTER, int(match.group(1)), moe_layer=moe_layer)
+            yield router, phases.ROUTER, int(match.group(1)), {"moe_layer": moe_layer}
+
+
+def attach_phase_hooks(model: torch.nn.Module, recorder: TraceRecorder, experts_names: list[str]) -> list:
+    """Time every attention block and MoE router of `model` with forward hooks; returns the handles."""
+    handles = []
+    for module, name, layer, extra in phase_modules(model, experts_names):
+        state = {}
+
+        def pre(*_, state=state):
+            state["t"] = now_us()
+
+        def post(*_, state=state, name=name, layer=layer, extra=extra):
+            recorder.complete(name, state.pop("t", now_us()), now_us(), layer=layer, iteration=recorder.iteration,
+                              **extra)
+
+        handles.append(module.register_forward_pre_hook(pre))
+        handles.append(module.register_forward_hook(post))
+    return handles
+
+
+def attach_nvtx_hooks(model: torch.nn.Module, ranges, experts_names: list[str]) -> list:
+    """NVTX ranges (dwdp.nvtx_ranges.NvtxRanges) around the forward, attention blocks and routers."""
+    handles = [model.register_forward_pre_hook(lambda *_: ranges.push(phases.FORWARD)),
+               model.register_forward_hook(lambda *_: ranges.pop())]
+    for module, name, layer, _extra in phase_modules(model, experts_names):
+        handles.append(module.register_forward_pre_hook(lambda *_, name=name, layer=layer: ranges.push(name, layer)))
+        handles.append(module.register_forward_hook(lambda *_: ranges.pop()))
     return handles

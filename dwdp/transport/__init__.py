@@ -1,31 +1,38 @@
 """Transports: one interface, a backend per kind of memory."""
 from __future__ import annotations
 
-from .base import PrefetchTimeout, Ticket, Transport
+from .base import PrefetchError, PrefetchTimeout, Ticket, Transport
 from .host import HostTransport
 
 
 def resolve_backend(backend: str, device) -> str:
-    """`auto` picks cuda for CUDA-resident models and host otherwise."""
+    """`auto` picks cuda for CUDA-resident models and host otherwise; a backend that cannot serve
+    the model's device is refused with the device named."""
     import torch
 
     device = torch.device(device)
     if backend == "auto":
         backend = "cuda" if device.type == "cuda" else "host"
     if backend == "host" and device.type != "cpu":
-        raise ValueError(f"backend='host' needs the model on the CPU, found it on {device}")
-    if backend == "cuda":
-        raise RuntimeError(
-            "backend='cuda' (copy-engine prefetch) is not part of this release yet; "
-            "run the model on the CPU with backend='host'"
-        )
+        raise ValueError(f"backend='host' needs the model on the CPU, found it on {device}; use backend='cuda'")
+    if backend == "cuda" and device.type != "cuda":
+        raise ValueError(f"backend='cuda' needs the model on a CUDA device, found it on {device}; "
+                         "move it with model.to('cuda') or use backend='host'")
     return backend
 
 
-def make_transport(backend: str, rank: int, inflight: int) -> Transport:
+def make_transport(backend: str, rank: int, config, *, device=None, mapping: str = "ipc",
+                   process_group=None) -> Transport:
+    """The transport of `backend` for `rank`, set up from a DWDPConfig."""
     if backend == "host":
-        return HostTransport(rank, inflight=inflight)
-    raise ValueError(f"backend={backend!r} has no transport; expected 'host'")
+        return HostTransport(rank, inflight=config.inflight)
+    if backend == "cuda":
+        from .cuda import CudaTransport
+
+        return CudaTransport(rank, device, copy=config.cuda_copy, copy_batches=config.copy_batches, mapping=mapping,
+                             process_group=process_group, close_timeout_s=config.wait_timeout_s)
+    raise ValueError(f"backend={backend!r} has no transport; expected 'host' or 'cuda'")
 
 
-__all__ = ["HostTransport", "PrefetchTimeout", "Ticket", "Transport", "make_transport", "resolve_backend"]
+__all__ = ["HostTransport", "PrefetchError", "PrefetchTimeout", "Ticket", "Transport", "make_transport",
+           "resolve_backend"]

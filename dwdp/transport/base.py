@@ -14,6 +14,10 @@ class PrefetchTimeout(TimeoutError):
     """A prefetch did not finish in time; the message names the layer, slot and outstanding peers."""
 
 
+class PrefetchError(RuntimeError):
+    """A prefetch failed; the message names the rank, layer, slot, source peers and the cause."""
+
+
 class Ticket:
     """Completion of one submitted plan, with per-expert readiness.
 
@@ -84,6 +88,19 @@ class Ticket:
                 )
         return time.perf_counter() - start
 
+    def synchronize(self, timeout: float) -> float:
+        """Block the host until every slice has landed (setup, drain and close; never the hot path)."""
+        return self.wait(timeout)
+
+    def fence_before_reuse(self, timeout: float) -> None:
+        """Make sure a later copy into the same slot cannot overtake this one (a reader stopped
+        early): host copier threads could, so wait; errors were already reported to a waiter."""
+        if self.finished_ns is None:
+            try:
+                self.wait(timeout)
+            except (RuntimeError, TimeoutError):
+                pass
+
     def _raise_if_failed(self) -> None:
         if self.error is not None:
             raise RuntimeError(
@@ -97,6 +114,8 @@ class Transport(ABC):
 
     Setup, in order: `alloc_segment` (fill it with local experts), `register` -> handle,
     exchange handles once through torch.distributed, `open(handles)`, barrier, `seal`.
+    Per layer: `submit` a plan into a slot, the compute waits on its ticket, reads the slot, and
+    calls `release_slot` once every read of the slot has been issued.
     """
 
     name: str
@@ -124,6 +143,11 @@ class Transport(ABC):
     @abstractmethod
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> Ticket:
         """Start copying `plan` into `slot_buffer`; returns at once."""
+
+    def release_slot(self, slot: int) -> None:
+        """Compute has issued its last read of prefetch slot `slot`. A device backend records the
+        slot's consume event here, and the next copy into the slot waits on it; the host backend
+        reads synchronously, so nothing is left to order."""
 
     @abstractmethod
     def close(self) -> None:
