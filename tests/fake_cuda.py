@@ -1,0 +1,255 @@
+"""A recording fake of dwdp.transport.cuda_api: a tiny device with streams, events and copies.
+
+Memory is real: pointers are CPU addresses of torch tensors and a copy moves bytes with
+ctypes.memmove, so tests check bytes bit-exactly. Time is the test's: enqueued work runs only
+when `FakeDevice.run(policy)` runs it (or a host poll does), in an order the test picks, e.g.
+"copies as early as their waits allow, compute as late as possible", the schedule that exposes a
+missing write-after-read wait. Every call is logged as (rank, name, args).
+
+One FakeDevice is shared by the ranks of a test (one process, like ranks on one GPU); each rank
+has its own FakeCudaApi, whose current stream is that rank's compute stream.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from dwdp.transport import cuda_api
+from dwdp.transport.cuda_api import BatchCopyError, CudaError
+
+ILLEGAL_ADDRESS = (700, "cudaErrorIllegalAddress", "an illegal memory access was encountered")
+INVALID_VALUE = (1, "cudaErrorInvalidValue", "invalid argument")
+OWN_HANDLE = (201, "cudaErrorDeviceUninitialized", "invalid device context")
+PAGE = 4096
+
+
+@dataclass
+class _Event:
+    recorded: int = 0   # generations recorded so far
+    completed: int = 0  # generations whose record op has run
+
+
+@dataclass
+class _Op:
+    kind: str            # "copy", "record", "wait", "kernel"
+    args: tuple
+    rank: int
+
+
+@dataclass
+class FakeDevice:
+    calls: list = field(default_factory=list)
+    streams: dict = field(default_factory=dict)     # id -> deque of _Op
+    stream_kind: dict = field(default_factory=dict)  # id -> "copy" or "compute"
+    events: dict = field(default_factory=dict)
+    stalled: set = field(default_factory=set)        # streams that make no progress
+    faulty_ranges: list = field(default_factory=list)  # (lo, hi) source ranges whose reads fault
+    sticky: CudaError | None = None
+    queued_errors: dict = field(default_factory=dict)  # call name -> deque of errors to raise
+    exported: dict = field(default_factory=dict)     # handle bytes -> (rank, base)
+    opened: dict = field(default_factory=dict)       # base -> times opened and not closed
+    closed: list = field(default_factory=list)
+    _ids: itertools.count = field(default_factory=lambda: itertools.count(0x1000, 0x10))
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def stream(self, kind: str) -> int:
+        sid = self.new_id()
+        self.streams[sid] = deque()
+        self.stream_kind[sid] = kind
+        return sid
+
+    def fail_next(self, name: str, error: CudaError) -> None:
+        self.queued_errors.setdefault(name, deque()).append(error)
+
+    def names(self, rank: int | None = None) -> list[str]:
+        return [c[1] for c in self.calls if rank is None or c[0] == rank]
+
+    # -- execution ---------------------------------------------------------------------------
+    def _ready(self, op: _Op) -> bool:
+        if op.kind == "wait":
+            event, generation = op.args
+            return self.events[event].completed >= generation
+        return True
+
+    def _execute(self, op: _Op) -> None:
+        if op.kind == "copy":
+            for dst, src, n in op.args:
+                if any(lo <= src < hi for lo, hi in self.faulty_ranges):
+                    self.sticky = CudaError("(asynchronous copy)", *ILLEGAL_ADDRESS)
+                    return
+                ctypes.memmove(dst, src, n)
+        elif op.kind == "record":
+            event, generation = op.args
+            self.events[event].completed = max(self.events[event].completed, generation)
+        elif op.kind == "kernel":
+            op.args[0]()
+
+    def step(self, sid: int) -> bool:
+        """Run the head of stream `sid` if it can run; False when it cannot (or is empty)."""
+        queue = self.streams[sid]
+        if not queue or sid in self.stalled or self.sticky is not None or not self._ready(queue[0]):
+            return False
+        self._execute(queue.popleft())
+        return True
+
+    def run(self, policy: str = "fifo") -> None:
+        """Run everything that can run. "fifo": one op of each stream in turn. "copies_only": copy
+        streams alone, compute held back (it runs at a later `run`). "copies_first": a copy
+        op whenever one can run, a compute op only when none can (compute lags the copies as far
+        as the waits allow); "compute_first": the reverse."""
+        while True:
+            if policy == "fifo":
+                moved = any([self.step(sid) for sid in list(self.streams)])
+            elif policy == "copies_only":
+                moved = self._step_kind("copy")
+            else:
+                lead, lag = ("copy", "compute") if policy == "copies_first" else ("compute", "copy")
+                moved = self._step_kind(lead) or self._step_kind(lag)
+            if not moved:
+                return
+
+    def _step_kind(self, kind: str) -> bool:
+        return any(self.step(sid) for sid, k in list(self.stream_kind.items()) if k == kind)
+
+
+class FakeCudaApi:
+    """The cuda_api functions the transport uses, on a FakeDevice, for one rank."""
+
+    CudaError = cuda_api.CudaError
+    NoCudaDriverError = cuda_api.NoCudaDriverError
+    BatchCopyError = cuda_api.BatchCopyError
+
+    def __init__(self, device: FakeDevice, rank: int, has_batch: bool = True, poll_runs: bool = True):
+        self.device, self.rank, self.has_batch, self.poll_runs = device, rank, has_batch, poll_runs
+        self.compute = device.stream("compute")
+
+    def _call(self, name: str, *args):
+        self.device.calls.append((self.rank, name, args))
+        if self.device.sticky is not None:
+            raise self.device.sticky
+        queued = self.device.queued_errors.get(name)
+        if queued:
+            raise queued.popleft()
+
+    def _enqueue(self, stream: int, kind: str, *args) -> None:
+        if stream not in self.device.streams:
+            raise CudaError("enqueue", 400, "cudaErrorInvalidResourceHandle", f"no stream {stream:#x}")
+        self.device.streams[stream].append(_Op(kind, args, self.rank))
+
+    # -- device and streams -------------------------------------------------------------------
+    def require(self):
+        self._call("require")
+
+    def set_device(self, device: int) -> None:
+        self._call("set_device", device)
+
+    def device_synchronize(self) -> None:
+        self._call("device_synchronize")
+        self.device.run()
+
+    def current_stream(self) -> int:
+        return self.compute
+
+    def has_memcpy_batch(self) -> bool:
+        return self.has_batch
+
+    def stream_create(self) -> int:
+        self._call("stream_create")
+        return self.device.stream("copy")
+
+    def stream_destroy(self, stream: int) -> None:
+        self._call("stream_destroy", stream)
+
+    def event_create(self, interprocess: bool = False) -> int:
+        self._call("event_create", interprocess)
+        eid = self.device.new_id()
+        self.device.events[eid] = _Event()
+        return eid
+
+    def event_destroy(self, event: int) -> None:
+        self._call("event_destroy", event)
+        del self.device.events[event]
+
+    def event_record(self, event: int, stream: int) -> None:
+        self._call("event_record", event, stream)
+        ev = self.device.events[event]
+        ev.recorded += 1
+        self._enqueue(stream, "record", event, ev.recorded)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        self._call("stream_wait_event", stream, event)
+        # CUDA semantics: the wait is for the event's latest record at the time of this call.
+        self._enqueue(stream, "wait", event, self.device.events[event].recorded)
+
+    def event_query(self, event: int) -> bool:
+        self._call("event_query", event)
+        if self.poll_runs:
+            self.device.run()
+        if self.device.sticky is not None:
+            raise self.device.sticky
+        ev = self.device.events[event]
+        return ev.completed >= ev.recorded
+
+    def event_wait(self, event: int, timeout_s: float) -> float:
+        self._call("event_wait", event, timeout_s)
+        start = time.perf_counter()
+        while True:
+            self.device.run()  # the host is blocked here: the device makes progress meanwhile
+            if self.event_query(event):
+                break
+            if time.perf_counter() - start >= timeout_s:
+                raise TimeoutError(f"event {event:#x} not done after {timeout_s:.3g} s")
+            time.sleep(1e-3)
+        return time.perf_counter() - start
+
+    def launch(self, fn) -> None:
+        """A kernel on this rank's compute stream (test code stands in for Triton)."""
+        self.device.calls.append((self.rank, "launch", ()))
+        self._enqueue(self.compute, "kernel", fn)
+
+    # -- copies -------------------------------------------------------------------------------
+    def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:
+        self._call("memcpy_async", dst, src, nbytes, stream)
+        self._enqueue(stream, "copy", (dst, src, nbytes))
+
+    def memcpy_batch_async(self, dsts, srcs, sizes, stream, prefer_overlap=True) -> None:
+        self._call("memcpy_batch_async", list(dsts), list(srcs), list(sizes), stream, prefer_overlap)
+        if sizes:
+            self._enqueue(stream, "copy", *zip(dsts, srcs, sizes))
+
+    # -- peer memory --------------------------------------------------------------------------
+    def ipc_export(self, ptr: int) -> tuple[bytes, int]:
+        self._call("ipc_export", ptr)
+        base = ptr - ptr % PAGE  # a nonzero offset whenever the segment does not start a page
+        raw = (b"fake-ipc-%d-%x" % (self.rank, base)).ljust(cuda_api.IPC_HANDLE_BYTES, b"\0")
+        self.device.exported[raw] = (self.rank, base)
+        return raw, ptr - base
+
+    def ipc_open(self, raw: bytes) -> int:
+        self._call("ipc_open", raw)
+        owner, base = self.device.exported[raw]
+        if owner == self.rank:
+            raise CudaError("cudaIpcOpenMemHandle", *OWN_HANDLE)
+        self.device.opened[base] = self.device.opened.get(base, 0) + 1
+        return base
+
+    def ipc_close(self, base: int) -> None:
+        self._call("ipc_close", base)
+        if self.device.opened.get(base, 0) < 1:
+            raise CudaError("cudaIpcCloseMemHandle", *INVALID_VALUE, "closed twice or never opened")
+        self.device.opened[base] -= 1
+        self.device.closed.append((self.rank, base))
+
+
+def batch_error(fail_index: int | None, count: int) -> BatchCopyError:
+    """The error cudaMemcpyBatchAsync raises through cuda_api (fail_index: 12.9 bindings)."""
+    error = BatchCopyError.__new__(BatchCopyError)
+    CudaError.__init__(error, "cudaMemcpyBatchAsync", *INVALID_VALUE,
+                       f"copy {fail_index} of {count}" if fail_index is not None else f"one of {count} copies")
+    error.fail_index = fail_index
+    return error
