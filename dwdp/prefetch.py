@@ -62,6 +62,7 @@ class Prefetcher:
         self._cond = threading.Condition()
         self.recorder = None  # a dwdp.tracing.TraceRecorder while tracing
         self.nvtx = None      # a dwdp.nvtx_ranges.NvtxRanges on CUDA
+        self.wait_timer = None  # a dwdp.device_timing.DeviceWaitTimer while measuring device stalls
 
     @property
     def num_buffers(self) -> int:
@@ -115,11 +116,14 @@ class Prefetcher:
         start = now_us()
         if self.nvtx is not None:
             self.nvtx.push(phases.PREFETCH_WAIT, layer, slot_index)
+        mark = self.wait_timer.begin() if self.wait_timer is not None else None
         try:
             if experts is None:
                 slot.ticket.wait(self.timeout_s)
             else:
                 slot.ticket.wait_experts(experts, self.timeout_s)
+            if mark is not None:
+                self.wait_timer.end(mark, layer)
         finally:
             if self.nvtx is not None:
                 self.nvtx.pop()

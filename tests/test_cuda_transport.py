@@ -16,7 +16,7 @@ from dwdp.prefetch import Prefetcher
 from dwdp.transport import PrefetchError, PrefetchTimeout
 from dwdp.transport.cuda import CudaTransport
 from dwdp.transport.reference import execute_plan_reference
-from fake_cuda import ILLEGAL_ADDRESS, FakeCudaApi, FakeDevice, batch_error
+from fake_cuda import FakeCudaApi, FakeDevice, batch_error
 
 TENSOR_NBYTES = (3000, 1700)
 HOT_PATH_FORBIDDEN = {"event_wait", "event_query", "device_synchronize"}
