@@ -64,6 +64,21 @@ def _seeded_bytes(seed: int, nbytes: int, device="cuda") -> torch.Tensor:
     return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=device, generator=gen)
 
 
+def _code_version() -> str:
+    """The commit of this checkout (plus '+changes' when the tree differs from it), or 'unknown'."""
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return commit + ("+changes" if dirty else "")
+
+
 def _versions() -> dict:
     import triton
     import transformers
@@ -611,7 +626,7 @@ def main() -> int:
         torch.cuda.empty_cache()
     failures = [f for s in sections.values() for f in s.get("failures", [])]
     failures += [f"{k}: raised {v['error'].splitlines()[-1]}" for k, v in sections.items() if "error" in v]
-    result = {"bench": "gpu_check", "date": time.strftime("%Y-%m-%d"), "versions": versions,
+    result = {"bench": "gpu_check", "date": time.strftime("%Y-%m-%d"), "code": _code_version(), "versions": versions,
               "seconds": time.perf_counter() - started, "sections": sections, "failures": failures}
     path = args.out or RESULTS / f"gpu_check_{device_tag('cuda')}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
