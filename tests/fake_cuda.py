@@ -17,13 +17,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import torch
+
+from dwdp.placement import build_placement
+from dwdp.plan import SegmentLayout, slot_layout
 from dwdp.transport import cuda_api
+from dwdp.transport.cuda import CudaTransport
 from dwdp.transport.cuda_api import BatchCopyError, CudaError
+from dwdp.transport.reference import execute_plan_reference
 
 ILLEGAL_ADDRESS = (700, "cudaErrorIllegalAddress", "an illegal memory access was encountered")
 INVALID_VALUE = (1, "cudaErrorInvalidValue", "invalid argument")
 OWN_HANDLE = (201, "cudaErrorDeviceUninitialized", "invalid device context")
 PAGE = 4096
+TENSOR_NBYTES = (3000, 1700)
 
 
 @dataclass
@@ -253,3 +260,40 @@ def batch_error(fail_index: int | None, count: int) -> BatchCopyError:
                        f"copy {fail_index} of {count}" if fail_index is not None else f"one of {count} copies")
     error.fail_index = fail_index
     return error
+
+
+def _seeded(rank: int, nbytes: int) -> torch.Tensor:
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(77 + rank))
+
+
+class FakeGroup:
+    """G cuda transports in one process over one FakeDevice, segments filled with seeded bytes."""
+
+    def __init__(self, num_experts=8, size=3, num_layers=3, *, copy="batch", copy_batches=3, has_batch=True,
+                 poll_runs=True, num_local=None):
+        self.device = FakeDevice()
+        self.placement = build_placement(num_experts, size, num_local)
+        self.layout = SegmentLayout(num_layers, self.placement.num_local_experts, TENSOR_NBYTES)
+        self.apis = [FakeCudaApi(self.device, r, has_batch=has_batch, poll_runs=poll_runs) for r in range(size)]
+        self.transports = [CudaTransport(r, "cpu", copy=copy, copy_batches=copy_batches, api=self.apis[r])
+                           for r in range(size)]
+        for r, t in enumerate(self.transports):
+            t.alloc_segment(self.layout.total_nbytes).copy_(_seeded(r, self.layout.total_nbytes))
+        self.handles = [t.register() for t in self.transports]
+
+    def open(self):
+        for t in self.transports:
+            t.open(self.handles)
+        return self
+
+    def slot_nbytes(self, rank: int) -> int:
+        return slot_layout(self.placement, rank, TENSOR_NBYTES).total_nbytes
+
+    def expected(self, plan, nbytes: int, poison: torch.Tensor) -> torch.Tensor:
+        """What the slot must hold: the plan executed on independently regenerated peer bytes."""
+        peers = [_seeded(r, self.layout.total_nbytes) for r in range(len(self.transports))]
+        return execute_plan_reference(plan, peers, poison.clone())
+
+    def close(self):
+        for t in self.transports:
+            t.close()

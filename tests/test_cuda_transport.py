@@ -11,52 +11,11 @@ import pytest
 import torch
 
 from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, cut_batches, slot_layout
+from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, cut_batches
 from dwdp.prefetch import Prefetcher
 from dwdp.transport import PrefetchError, PrefetchTimeout
-from dwdp.transport.cuda import CudaTransport
-from dwdp.transport.reference import execute_plan_reference
-from fake_cuda import FakeCudaApi, FakeDevice, batch_error
-
-TENSOR_NBYTES = (3000, 1700)
+from fake_cuda import TENSOR_NBYTES, FakeGroup as Group, batch_error
 HOT_PATH_FORBIDDEN = {"event_wait", "event_query", "device_synchronize"}
-
-
-def _seeded(rank: int, nbytes: int) -> torch.Tensor:
-    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(77 + rank))
-
-
-class Group:
-    """G cuda transports in one process over one FakeDevice, segments filled with seeded bytes."""
-
-    def __init__(self, num_experts=8, size=3, num_layers=3, *, copy="batch", copy_batches=3, has_batch=True,
-                 poll_runs=True, num_local=None):
-        self.device = FakeDevice()
-        self.placement = build_placement(num_experts, size, num_local)
-        self.layout = SegmentLayout(num_layers, self.placement.num_local_experts, TENSOR_NBYTES)
-        self.apis = [FakeCudaApi(self.device, r, has_batch=has_batch, poll_runs=poll_runs) for r in range(size)]
-        self.transports = [CudaTransport(r, "cpu", copy=copy, copy_batches=copy_batches, api=self.apis[r])
-                           for r in range(size)]
-        for r, t in enumerate(self.transports):
-            t.alloc_segment(self.layout.total_nbytes).copy_(_seeded(r, self.layout.total_nbytes))
-        self.handles = [t.register() for t in self.transports]
-
-    def open(self):
-        for t in self.transports:
-            t.open(self.handles)
-        return self
-
-    def slot_nbytes(self, rank: int) -> int:
-        return slot_layout(self.placement, rank, TENSOR_NBYTES).total_nbytes
-
-    def expected(self, plan, nbytes: int, poison: torch.Tensor) -> torch.Tensor:
-        """What the slot must hold: the plan executed on independently regenerated peer bytes."""
-        peers = [_seeded(r, self.layout.total_nbytes) for r in range(len(self.transports))]
-        return execute_plan_reference(plan, peers, poison.clone())
-
-    def close(self):
-        for t in self.transports:
-            t.close()
 
 
 def _poison(nbytes: int, seed: int) -> torch.Tensor:

@@ -177,6 +177,9 @@ def current_stream() -> int:
     """The raw pointer of torch's current stream: where compute kernels (and Triton) are launched."""
     import torch
 
+    if not torch.cuda.is_available():
+        raise NoCudaDriverError("torch.cuda.current_stream", 35, "no CUDA in torch",
+                                f"torch {torch.__version__} sees no CUDA device")
     return int(torch.cuda.current_stream().cuda_stream)
 
 
