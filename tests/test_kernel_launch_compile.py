@@ -1,0 +1,161 @@
+"""The Triton kernel compiles for sm_90 with the exact arguments the CUDA experts path launches it
+with: the launches of `moe_experts` (local experts first, then the rest) and of `grouped_gemm` are
+captured here, specialised as Triton specialises a real launch (16-divisible pointers and ints,
+ints equal to 1 as constants), and compiled for Hopper in a subprocess. Without the alignment
+hint on the weight table's loaded address Triton falls back to 2-byte scalar loads and no
+cp.async pipeline, and without bf16 inputs no wgmma: the PTX is checked for both."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+# Modules, not the same-named functions `dwdp.kernels` exports.
+gg = importlib.import_module("dwdp.kernels.grouped_gemm")
+moe = importlib.import_module("dwdp.kernels.moe")
+
+H100_SMS = 132
+_COMPILE = r"""
+import json, re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import CUDABackend
+from triton.compiler import ASTSource
+from dwdp.kernels.grouped_gemm import _grouped_gemm_kernel as kernel
+
+counts = []
+for launch in json.load(sys.stdin):
+    names = kernel.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    for name, (kind, value, key) in launch["args"].items():
+        index = names.index(name)
+        signature[name] = kind
+        if kind == "constexpr":
+            constexprs[(index,)] = value
+        elif key:
+            attrs[(index,)] = CUDABackend.parse_attr(key)
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"]).asm["ptx"]
+    counts.append({
+        "async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x10", ptx)),
+        "scalar_16": ptx.count("ld.global.b16"),
+        "wgmma": ptx.count("wgmma.mma_async"),
+    })
+print(json.dumps(counts))
+"""
+
+
+class _Recorder:
+    """Stands in for the kernel: keeps each launch's arguments, specialised as Triton would."""
+
+    def __init__(self):
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        self.launches = []
+        self._specialize = lambda arg: native_specialize_impl(CUDABackend, arg, False, True, True)
+
+    def __getitem__(self, grid):
+        def launch(*args, num_warps, num_stages, **constexprs):
+            names = gg._grouped_gemm_kernel_names
+            spec = {}
+            for name, arg in zip(names, args):
+                kind, key = self._specialize(arg)
+                spec[name] = (kind, key if kind == "constexpr" else None, key if kind != "constexpr" else "")
+            for name, value in constexprs.items():
+                spec[name] = ("constexpr", value, "")
+            self.launches.append({"args": spec, "options": {"num_warps": num_warps, "num_stages": num_stages}})
+        return launch
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    pytest.importorskip("triton.backends.nvidia")
+    rec = _Recorder()
+    names = list(gg._grouped_gemm_kernel.arg_names)
+    monkeypatch.setattr(gg, "_grouped_gemm_kernel_names", names, raising=False)
+    monkeypatch.setattr(gg, "_grouped_gemm_kernel", rec)
+    # What a CUDA device gives: no interpreter (bf16 tensor-core dots), no CPU-only device refusal.
+    monkeypatch.setattr(gg, "is_interpreter", lambda: False)
+    monkeypatch.setattr(moe, "_check_device", lambda device, name: None)
+    monkeypatch.setattr(gg, "_check_device", lambda device, name: None)
+    return rec
+
+
+class _ScalarReads:
+    """Counts the host reading tensor values (.item(), .tolist(), .numpy(), int(), float(), bool(),
+    use as an index): each is a device-to-host sync on CUDA."""
+
+    METHODS = ("item", "tolist", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+    def __enter__(self):
+        self.count, self._saved = 0, {}
+        for name in self.METHODS:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _original=original, **kwargs):
+                self.count += 1
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, counted)
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+def _inputs(tokens=300, hidden=2048, inter=768, experts=16, top_k=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen).bfloat16()  # [E, 2I, H]
+    down = torch.randn(experts, hidden, inter, generator=gen).bfloat16()          # [E, H, I]
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return x, gate_up, down, index, weights
+
+
+def _compile(launches):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", _COMPILE], input=json.dumps(launches), env=env, capture_output=True,
+                          text=True, timeout=170)
+    assert done.returncode == 0, f"sm_90 compile failed:\n{done.stderr[-3000:]}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_cuda_experts_path_launches_compile_with_wgmma_and_16_byte_loads(recorder):
+    x, gate_up, down, index, weights = _inputs()
+    waited = []
+    with _ScalarReads() as reads:
+        moe.moe_experts(x, index, weights, list(gate_up.unbind(0)), list(down.unbind(0)), split_at=8,
+                        on_local_done=lambda: waited.append(len(recorder.launches)), wave_size=H100_SMS)
+    # No host sync on the path: the only scalar reads are the CPU-only range check of the expert ids
+    # (min and max), which a CUDA input skips.
+    assert reads.count == 2, f"{reads.count} device-to-host scalar reads in moe_experts"
+    # Local-first: both GEMMs' first parts, the wait for the copies, both GEMMs' second parts.
+    assert len(recorder.launches) == 4 and waited == [2], (len(recorder.launches), waited)
+    parts = [launch["args"]["PART"][1] for launch in recorder.launches]
+    assert parts == [1, 1, 2, 2], parts
+    first = recorder.launches[0]["args"]
+    assert first["a_ptr"][0] == "*bf16" and first["FP32_DOT"][1] is False and first["SWIGLU"][1] is True
+    assert first["stride_ak"][0] == "constexpr" and first["K"][2] == "D", first
+    counts = _compile(recorder.launches[:2])  # gate_up (SwiGLU, gathered rows) and down (scaled, scattered)
+    for name, c in zip(("gate_up", "down"), counts):
+        assert c["async_16"] > 0 and c["scalar_16"] == 0, f"{name}: loads in sm_90 PTX: {c}"
+        assert c["wgmma"] > 0, f"{name}: no wgmma in sm_90 PTX: {c}"
+
+
+@pytest.mark.timeout(180)
+def test_plain_grouped_gemm_launch_compiles_with_wgmma_and_16_byte_loads(recorder):
+    x, gate_up, _, index, _ = _inputs(top_k=2)
+    counts = torch.bincount(index.reshape(-1), minlength=gate_up.shape[0])
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    x_sorted = torch.randn(int(offsets[-1]), x.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
+    gg.grouped_gemm(x_sorted, offsets, list(gate_up.unbind(0)), wave_size=H100_SMS)
+    (c,) = _compile(recorder.launches)
+    assert c["async_16"] > 0 and c["scalar_16"] == 0 and c["wgmma"] > 0, f"loads / wgmma in sm_90 PTX: {c}"
