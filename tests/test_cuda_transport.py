@@ -314,3 +314,52 @@ def test_release_records_the_consume_event_on_the_compute_stream():
     calls = [(n, a) for r, n, a in group.device.calls[start:] if r == 0]
     assert calls[-1] == ("event_record", (t._consume[1], group.apis[0].compute)), calls
     group.close()
+
+
+def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monkeypatch):
+    """Multi-node mode: segments come from torch's symmetric memory and peers are read through the
+    rendezvous handle's buffer pointers (no IPC handle is exported or opened)."""
+    import types
+
+    from dwdp.transport import cuda as cuda_module
+    from dwdp.transport.cuda import CudaTransport
+    from fake_cuda import FakeCudaApi, FakeDevice
+
+    device, size, nbytes = FakeDevice(), 3, 6000
+    segments = {}
+
+    def rendezvous(tensor, group):
+        assert group == "pg", group
+        return types.SimpleNamespace(buffer_ptrs=[segments[r].data_ptr() for r in range(size)])
+
+    symm = types.SimpleNamespace(empty=lambda n, dtype, device: torch.empty(n, dtype=dtype), rendezvous=rendezvous)
+    monkeypatch.setattr(cuda_module, "_symmetric_memory_module", lambda: symm)
+    transports = [CudaTransport(r, "cpu", mapping="symmetric_memory", process_group="pg",
+                                api=FakeCudaApi(device, r)) for r in range(size)]
+    for r, t in enumerate(transports):
+        segments[r] = t.alloc_segment(nbytes)
+        segments[r].copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                        generator=torch.Generator().manual_seed(r)))
+    handles = [t.register() for t in transports]
+    assert all("ipc" not in h for h in handles)
+    for t in transports:
+        t.open(handles)
+    from dwdp.plan import CopyPlan, CopySlice
+
+    plan = CopyPlan(0, 0, 0, (CopySlice(1, 100, 0, 700, 5), CopySlice(2, 4000, 700, 900, 6)))
+    slot = torch.zeros(1600, dtype=torch.uint8)
+    transports[0].submit(plan, slot).synchronize(5.0)
+    assert torch.equal(slot[:700], segments[1][100:800]) and torch.equal(slot[700:], segments[2][4000:4900])
+    assert "ipc_open" not in device.names()
+    for t in transports:
+        t.close()
+
+
+def test_symmetric_memory_without_torch_support_is_a_clear_error(monkeypatch):
+    import sys
+
+    from dwdp.transport.cuda import _symmetric_memory_module
+
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)
+    with pytest.raises(RuntimeError, match="cuda_mapping='symmetric_memory' .* needs torch.distributed._symmetric_memory"):
+        _symmetric_memory_module()
