@@ -143,26 +143,34 @@ def copy_bandwidth(total: int = 512 * MiB) -> dict:
 
 
 # -- b: IPC and the prefetch as issued ------------------------------------------------------------
-def _ipc_rank(rank: int, opts: dict) -> dict:
+def _rank_transport(rank: int, opts: dict, seed: int):
+    """This rank's cuda transport over a gloo group on GPU 0, its segment filled with seeded bytes and
+    every peer mapped. Returns (group, placement, layout, transport, handles)."""
     from dwdp.group import init_group
     from dwdp.placement import build_placement
-    from dwdp.plan import SegmentLayout, build_copy_plan, slot_layout
-    from dwdp.transport import cuda_api
+    from dwdp.plan import SegmentLayout
     from dwdp.transport.cuda import CudaTransport
-    from dwdp.transport.reference import execute_plan_reference
 
     torch.cuda.set_device(0)
     group = init_group()
     placement = build_placement(opts["experts"], group.size)
-    tensor_nbytes = tuple(opts["tensor_nbytes"])
-    layout = SegmentLayout(opts["layers"], placement.num_local_experts, tensor_nbytes)
-    transport = CudaTransport(rank, torch.device("cuda", 0), copy="batch", copy_batches=opts["copy_batches"])
-    segment = transport.alloc_segment(layout.total_nbytes)
-    segment.copy_(_seeded_bytes(100 + rank, layout.total_nbytes))
+    layout = SegmentLayout(opts["layers"], placement.num_local_experts, tuple(opts["tensor_nbytes"]))
+    transport = CudaTransport(rank, torch.device("cuda", 0), copy_batches=opts["copy_batches"])
+    transport.alloc_segment(layout.total_nbytes).copy_(_seeded_bytes(seed + rank, layout.total_nbytes))
     handles = group.all_gather_object(transport.register())
     transport.open(handles)
     group.barrier()
     transport.seal()
+    return group, placement, layout, transport, handles
+
+
+def _ipc_rank(rank: int, opts: dict) -> dict:
+    from dwdp.plan import build_copy_plan, slot_layout
+    from dwdp.transport import cuda_api
+    from dwdp.transport.reference import execute_plan_reference
+
+    group, placement, layout, transport, handles = _rank_transport(rank, opts, 100)
+    tensor_nbytes = layout.tensor_nbytes
     try:
         cuda_api.ipc_open(handles[rank]["ipc"])
         own_handle = "opened (unexpected: CUDA refuses a process its own IPC handle)"
@@ -444,22 +452,12 @@ def kernel_check(tokens: int = 4096) -> dict:
 
 # -- f: write-after-read stress -------------------------------------------------------------------
 def _war_rank(rank: int, opts: dict) -> dict:
-    from dwdp.group import init_group
-    from dwdp.placement import build_placement
-    from dwdp.plan import PlanCache, SegmentLayout, slot_layout
+    from dwdp.plan import PlanCache, slot_layout
     from dwdp.prefetch import Prefetcher
-    from dwdp.transport.cuda import CudaTransport
     from dwdp.transport.reference import execute_plan_reference
 
-    torch.cuda.set_device(0)
-    group = init_group()
-    placement = build_placement(opts["experts"], group.size)
-    tensor_nbytes = tuple(opts["tensor_nbytes"])
-    layout = SegmentLayout(opts["layers"], placement.num_local_experts, tensor_nbytes)
-    transport = CudaTransport(rank, torch.device("cuda", 0), copy_batches=4)
-    transport.alloc_segment(layout.total_nbytes).copy_(_seeded_bytes(300 + rank, layout.total_nbytes))
-    transport.open(group.all_gather_object(transport.register()))
-    group.barrier()
+    group, placement, layout, transport, _ = _rank_transport(rank, opts, 300)
+    tensor_nbytes = layout.tensor_nbytes
     nbytes = slot_layout(placement, rank, tensor_nbytes).total_nbytes
     plans = PlanCache(placement, rank, layout, opts["slice_bytes"])
     peers = [_seeded_bytes(300 + r, layout.total_nbytes) for r in range(group.size)]
@@ -495,7 +493,7 @@ def war_check() -> dict:
     from dwdp.group import launch_local
 
     opts = {"experts": 16, "layers": 5, "tensor_nbytes": [MiB, MiB // 2], "slice_bytes": 256 << 10, "visits": 300,
-            "sleep_cycles": 200_000}
+            "sleep_cycles": 200_000, "copy_batches": 4}
     ranks = launch_local(_war_rank, 2, (opts,), timeout_s=240)
     failures = [f"WAR rank {r['rank']}: {r['num_bad']} of {r['visits']} reads saw the wrong bytes "
                 f"(visits {r['bad_visits']})" for r in ranks if r["num_bad"]]
