@@ -360,6 +360,7 @@ def test_symmetric_memory_without_torch_support_is_a_clear_error(monkeypatch):
 
     from dwdp.transport.cuda import _symmetric_memory_module
 
-    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import -> ImportError
+    monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)  # an earlier import's attribute
     with pytest.raises(RuntimeError, match="cuda_mapping='symmetric_memory' .* needs torch.distributed._symmetric_memory"):
         _symmetric_memory_module()
