@@ -60,7 +60,8 @@ def device_tag(device: str | torch.device = "cpu") -> str:
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device).lower()
-    for tag in ("h200", "h100", "b200", "gb200", "a100", "l40s"):
+    # Longer names first: "gb200" contains "b200" and "gh200" contains "h200".
+    for tag in ("gb200", "gh200", "b200", "h200", "h100", "a100", "l40s"):
         if tag in name:
             return tag
     return name.replace(" ", "_")
