@@ -49,9 +49,16 @@ class HeldTicket:
     def expert_ready(self, expert):
         return self._ticket is not None and self._ticket.expert_ready(expert)
 
+    def __getattr__(self, name):
+        # Any other ticket call (a host-blocking drain, say) also ends the hold, then goes through.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._started(), name)
+
 
 class HoldingTransport:
-    """Wraps the real transport: calls `on_submit(plan)`, then holds the plan's copies back."""
+    """Wraps the real transport: calls `on_submit(plan)`, then holds the plan's copies back; every
+    other transport call goes straight to the real transport."""
 
     def __init__(self, inner, on_submit, on_first_wait):
         self.inner, self.on_submit, self.on_first_wait = inner, on_submit, on_first_wait
@@ -59,6 +66,9 @@ class HoldingTransport:
     def submit(self, plan, slot_buffer):
         self.on_submit(plan)
         return HeldTicket(plan, lambda: self.inner.submit(plan, slot_buffer), self.on_first_wait)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def _overwriter(wrapped):

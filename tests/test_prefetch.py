@@ -59,7 +59,8 @@ def test_layers_cycle_through_slots(pair):
 
 
 class CountingTransport:
-    """Passes every submit through and records (layer, slot, bytes) of what really went out."""
+    """Passes every submit through and records (layer, slot, bytes) of what really went out; every
+    other transport call goes straight to the real transport."""
 
     def __init__(self, inner):
         self.inner, self.submitted = inner, []
@@ -67,6 +68,9 @@ class CountingTransport:
     def submit(self, plan, slot_buffer):
         self.submitted.append((plan.layer, plan.slot, sum(s.nbytes for s in plan.slices)))
         return self.inner.submit(plan, slot_buffer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 # Rank 0 of build_placement(6, 2) owns experts 0-2 and pulls 3-5: 3 x (3000 + 1500) bytes per layer.
