@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +48,7 @@ from dwdp.kernels import (
     swiglu_reference,
 )
 from dwdp.kernels.grouped_gemm import default_wave_size
-from dwdp.timing import device_tag, time_fn
+from dwdp.timing import device_tag, load_average_1min, machine, time_fn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -299,6 +301,7 @@ def main() -> None:
     has_grouped_mm = _grouped_mm_supported(args.device, dtype)
     torch.manual_seed(0)
 
+    load_before = load_average_1min()
     rows, notes = [], {}
     for shape in shapes:
         model_rows, model_notes = bench_model(shape, args, args.device, dtype, on_cuda, has_grouped_mm)
@@ -318,6 +321,9 @@ def main() -> None:
         "shapes": [vars(s) for s in shapes],
         "grouped_mm": "available" if has_grouped_mm else "skipped (unavailable for this dtype/device)",
         "notes": notes,
+        "argv": sys.argv,
+        "machine": machine(),
+        "load_average_1min": {"before": load_before, "after": load_average_1min()},
         "rows": rows,
     }
     path = args.out or RESULTS / f"grouped_gemm_{tag}.json"
@@ -325,7 +331,8 @@ def main() -> None:
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"device {result['device']} ({tag}), {result['dtype']}, T={args.tokens}, B={args.buffers}, "
           f"kernel rows: {result['kernel_rows']}, grouped_mm: {result['grouped_mm']}")
-    print(f"wrote {path}")
+    print(f"1-min load average {load_before:.2f} before, {result['load_average_1min']['after']:.2f} after "
+          f"on {os.cpu_count()} CPUs; wrote {path}")
     print(_table(rows))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from dwdp.group import free_port
 from dwdp.serve.launch import ServerProcess
+from dwdp.timing import load_average_1min
 from dwdp.workload import WorkloadConfig, coefficient_of_variation, make_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -146,6 +147,7 @@ def main() -> int:
     args = p.parse_args()
     rates = [float(x) for x in args.rates.split(",")]
 
+    load_before = load_average_1min()
     server = None
     url = args.url
     if url is None:
@@ -173,10 +175,12 @@ def main() -> int:
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, CPU only", "ranks": ranks,
             "model": "tiny preset (DeepSeek-V3-style, 16 experts x 4 MoE layers, fp32)",
-            "ttft": "client-measured, request sent -> answer with the first token and KV artifact"}
+            "ttft": "client-measured, request sent -> answer with the first token and KV artifact",
+            "load_average_1min": {"before": load_before, "after": load_average_1min()}}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"serve_load: {ranks} ranks at {url}; isl {args.isl} ratio {args.isl_ratio}, {args.clients} clients with "
-          f"share CV {args.cv}, seed {args.seed}; results in {out}")
+          f"share CV {args.cv}, seed {args.seed}; 1-min load average {load_before:.2f} before, "
+          f"{meta['load_average_1min']['after']:.2f} after on {os.cpu_count()} CPUs; results in {out}")
     print(format_table(rows))
     return 0
 

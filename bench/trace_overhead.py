@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from dwdp import DWDPConfig, DWDPModel, init_group
 from dwdp.demo import DEMO_MODEL, rank_prompts
 from dwdp.group import launch_local
 from dwdp.tiny import build_tiny_model
-from dwdp.timing import device_tag
+from dwdp.timing import device_tag, load_average_1min, machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -55,11 +56,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--max-len", type=int, default=64)
     args = parser.parse_args()
+    load_before = load_average_1min()
     rows = launch_local(_rank, args.ranks, (args.rounds, args.max_len), timeout_s=600)
+    load = {"before": load_before, "after": load_average_1min()}
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"trace_overhead_{device_tag()}.json"
-    out.write_text(json.dumps({"ranks": args.ranks, "rounds": args.rounds, "max_len": args.max_len,
-                               "model": DEMO_MODEL, "rows": rows}, indent=2) + "\n")
+    out.write_text(json.dumps({"argv": sys.argv, "ranks": args.ranks, "rounds": args.rounds, "max_len": args.max_len,
+                               "model": DEMO_MODEL, "machine": machine(), "load_average_1min": load,
+                               "rows": rows}, indent=2) + "\n")
+    print(f"{machine()['cpu_count']} CPUs, 1-min load average {load['before']:.2f} before, {load['after']:.2f} after")
     print(f"{'rank':>4}  {'tokens':>6}  {'off ms':>8}  {'on ms':>8}  {'on/off':>7}  {'off spread ms':>13}  "
           f"{'events':>7}")
     for r in rows:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ from .config import DWDPConfig
 from .demo import DEMO_MODEL
 from .group import init_group, launch_local
 from .model import DWDPModel
-from .timing import device_tag, time_fn
+from .timing import device_tag, load_average_1min, machine, time_fn
 from .tiny import FAMILIES, build_tiny_model
 from .workload import Forward, WorkloadConfig, forward_inputs, make_workload
 
@@ -379,7 +378,7 @@ def run_compare(args: argparse.Namespace) -> int:
           f"{m['num_layers']} layers")
     for w in workloads:
         print(w.describe())
-    load_before = os.getloadavg()
+    load_before = load_average_1min()
     start = time.perf_counter()
     rank_outputs = _launch_with_progress(opts, args.timeout, not args.no_progress)
     elapsed = time.perf_counter() - start
@@ -390,11 +389,9 @@ def run_compare(args: argparse.Namespace) -> int:
     stem = f"compare_{device}" + ("_quick" if opts["quick"] else "")
     report = dict(
         argv=list(sys.argv),
-        device=device, machine=dict(cpu_count=os.cpu_count(), platform=platform.platform(),
-                                    processor=platform.processor(), python=platform.python_version(),
-                                    torch=torch.__version__),
+        device=device, machine=machine(),
         options={k: (list(v) if isinstance(v, tuple) else v) for k, v in opts.items()},
-        load_average_1min=dict(before=load_before[0], after=os.getloadavg()[0]),
+        load_average_1min=dict(before=load_before, after=load_average_1min()),
         workloads=[w.as_dict() for w in workloads], elapsed_s=elapsed, **summary,
     )
     (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -407,7 +404,7 @@ def run_compare(args: argparse.Namespace) -> int:
     if "replicated_over_dwdp" in mem:
         print(f"memory: replicated holds {(mem['replicated'] - mem['dwdp']) / 2**20:.1f} MiB more per rank than dwdp "
               f"({mem['replicated_over_dwdp']:.2f}x); wrote {out_dir / stem}.json/.png in {elapsed:.0f} s")
-    print(f"machine: {os.cpu_count()} CPUs, 1-min load average {load_before[0]:.1f} before and "
+    print(f"machine: {os.cpu_count()} CPUs, 1-min load average {load_before:.1f} before and "
           f"{report['load_average_1min']['after']:.1f} after (this run adds about {opts['ranks']})")
     print(format_table(summary))
     return 0

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up on a rank")
     demo.add_argument("--trace", metavar="DIR", help="write each rank's trace_rank{r}.json into DIR")
+    demo.add_argument("--json", metavar="PATH", help="also write the table, the machine and its load average to PATH")
     tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
     source = tune.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH", help="local model directory (its config.json; random weights)")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
-                        args.trace)
+                        args.trace, args.json)
     if args.command == "tune":
         return _tune(args)
     if args.command == "serve":

@@ -2,12 +2,16 @@
 unwrapped model on every rank."""
 from __future__ import annotations
 
+import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from .config import DWDPConfig
 from .group import init_group, launch_local
+from .timing import load_average_1min, machine
 from .tiny import build_tiny_model
 
 DEMO_MODEL = dict(hidden=256, intermediate=256, num_experts=16, top_k=4, num_layers=5, vocab=512)
@@ -78,17 +82,23 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int = 1 << 20, repeats: int = 3,
-             seed: int = 0, timeout_s: float = 300.0, trace: str | None = None) -> int:
+             seed: int = 0, timeout_s: float = 300.0, trace: str | None = None, json_path: str | None = None) -> int:
     """Run the demo on `ranks` local processes, print the per-rank table; returns the exit code.
 
     trace: a directory that receives one trace_rank{r}.json per rank.
+    json_path: also write the per-rank figures, the machine and its load average there.
     """
     opts = dict(prompts=prompts, max_len=max_len, slice_bytes=slice_bytes, repeats=repeats, seed=seed, trace=trace)
     cfg = DEMO_MODEL
     print(f"dwdp demo: {ranks} ranks, tiny DeepSeek-V3-style model (hidden {cfg['hidden']}, {cfg['num_experts']} "
           f"experts x {cfg['num_layers'] - 1} MoE layers, top-{cfg['top_k']}), host backend, CPU, seed {seed}")
     start = time.perf_counter()
+    load_before = load_average_1min()
     rows = launch_local(_demo_rank, ranks, (opts,), timeout_s=timeout_s)
+    if json_path:
+        report = dict(argv=sys.argv, options=dict(opts, ranks=ranks), model=DEMO_MODEL, machine=machine(),
+                      load_average_1min=dict(before=load_before, after=load_average_1min()), rows=rows)
+        Path(json_path).write_text(json.dumps(report, indent=2) + "\n")
     print(format_table(rows))
     bad = [r["rank"] for r in rows if not r["ok"]]
     if trace:

@@ -101,21 +101,54 @@ def _choose_sources(num_experts: int, group_size: int, owned) -> tuple[tuple[int
             choice[r][e] = best
             load[best] += 1
             per_dest[best] += 1
-    # Local repair: move a pull to another owner whenever that lowers the busier of the two.
-    # Each move lowers the sum of squared loads, so this terminates.
-    moved = True
-    while moved:
-        moved = False
-        for r in range(group_size):
-            for e in range(num_experts):
-                src = choice[r][e]
-                if src == r:
-                    continue
-                for alt in owners[e]:
-                    if alt != r and load[alt] + 1 < load[src]:
-                        choice[r][e] = alt
-                        load[src] -= 1
-                        load[alt] += 1
-                        src = alt
-                        moved = True
+    _shift_along_chains(choice, owners, load, group_size)
     return tuple(tuple(row) for row in choice)
+
+
+def _shift_along_chains(choice, owners, load, group_size) -> None:
+    """Lower the busiest sources until no source serves more than it must.
+
+    A chain s0 -> s1 -> ... -> sk moves one pull of s0 to s1, one of s1 to s2, and so on (each pull
+    to another owner of its expert): only s0 loses one and sk gains one. While some chain ends at a
+    source with at least two pulls fewer than its start, shifting along it lowers the sum of squared
+    loads; when none is left the largest load is the smallest any choice of owners can reach
+    (the optimality condition of semi-matchings, Harvey et al. 2006). Single moves alone stop earlier.
+    """
+    while True:
+        chain = _chain_to_lighter_source(choice, owners, load, group_size)
+        if chain is None:
+            return
+        for dest, expert, new_source in chain:
+            load[choice[dest][expert]] -= 1
+            load[new_source] += 1
+            choice[dest][expert] = new_source
+
+
+def _chain_to_lighter_source(choice, owners, load, group_size):
+    """[(destination, expert, new source)] moves of one improving chain, or None (breadth-first)."""
+    served_by = [[] for _ in range(group_size)]  # (destination, expert) pulls each source serves
+    for dest, row in enumerate(choice):
+        for expert, src in enumerate(row):
+            if src != dest:
+                served_by[src].append((dest, expert))
+    for start in sorted(range(group_size), key=lambda s: -load[s]):
+        parent = {start: None}  # source -> (previous source, destination, expert) that reaches it
+        frontier = [start]
+        while frontier:
+            reached = []
+            for src in frontier:
+                for dest, expert in served_by[src]:
+                    for alt in owners[expert]:
+                        if alt == dest or alt in parent:
+                            continue
+                        parent[alt] = (src, dest, expert)
+                        if load[alt] <= load[start] - 2:
+                            chain, node = [], alt
+                            while parent[node] is not None:
+                                prev, d, e = parent[node]
+                                chain.append((d, e, node))
+                                node = prev
+                            return chain[::-1]
+                        reached.append(alt)
+            frontier = reached
+    return None

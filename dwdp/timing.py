@@ -1,10 +1,13 @@
 """One timing helper for every benchmark: warm-up, then repeated timed calls, median and spread.
 
 Setup belongs outside `fn`; on CUDA the calls are timed with device events, elsewhere with
-perf_counter_ns.
+perf_counter_ns. `machine()` and `load_average_1min()` describe where and under what load a
+result was taken, for its JSON.
 """
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -60,7 +63,19 @@ def device_tag(device: str | torch.device = "cpu") -> str:
     if device.type != "cuda":
         return "cpu"
     name = torch.cuda.get_device_name(device).lower()
-    for tag in ("h200", "h100", "b200", "gb200", "a100", "l40s"):
+    # Longer names first: "gb200" contains "b200" and "gh200" contains "h200".
+    for tag in ("gb200", "gh200", "b200", "h200", "h100", "a100", "l40s"):
         if tag in name:
             return tag
     return name.replace(" ", "_")
+
+
+def machine() -> dict:
+    """Where a benchmark runs: CPU count, platform, processor, Python and torch versions."""
+    return dict(cpu_count=os.cpu_count(), platform=platform.platform(), processor=platform.processor(),
+                python=platform.python_version(), torch=torch.__version__)
+
+
+def load_average_1min() -> float:
+    """The 1-minute load average: on a shared machine, how many runnable jobs the run competed with."""
+    return os.getloadavg()[0]

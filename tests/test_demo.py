@@ -1,20 +1,37 @@
+import json
 import subprocess
 import sys
 
 import pytest
 
 
+# Demo model: 16 experts of gate_up [512, 256] + down [256, 256] fp32 in each of 4 MoE layers; a rank
+# of 2 keeps 8 and pulls 8 per layer. With 2 slots and 4 MoE layers every layer visit refills a slot.
+DEMO_EXPERT_BYTES = (512 * 256 + 256 * 256) * 4
+DEMO_BYTES_PER_FORWARD = 4 * 8 * DEMO_EXPERT_BYTES
+
+
 @pytest.mark.timeout(180)
 def test_demo_runs_and_every_rank_matches(tmp_path):
+    shm, out = tmp_path / "shm", tmp_path / "demo.json"
+    shm.mkdir()
     proc = subprocess.run(
-        [sys.executable, "-m", "dwdp", "demo", "--ranks", "2", "--prompts", "2", "--max-len", "12", "--repeats", "1"],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        [sys.executable, "-m", "dwdp", "demo", "--ranks", "2", "--prompts", "2", "--max-len", "12", "--repeats", "1",
+         "--json", str(out)],
+        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(shm), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 ranks match the unwrapped model" in proc.stdout, proc.stdout
     table = [line for line in proc.stdout.splitlines() if line.strip().startswith(("0 ", "1 "))]
     assert len(table) == 2 and all(line.rstrip().endswith("yes") for line in table), proc.stdout
-    assert list(tmp_path.iterdir()) == []
+    assert list(shm.iterdir()) == []
+    report = json.loads(out.read_text())
+    assert set(report["load_average_1min"]) == {"before", "after"} and report["machine"]["cpu_count"] >= 1, report
+    rows = report["rows"]
+    assert [r["bytes_prefetched"] for r in rows] == [DEMO_BYTES_PER_FORWARD] * 2, rows
+    assert [r["local_expert_bytes"] for r in rows] == [4 * 8 * DEMO_EXPERT_BYTES] * 2, rows
+    for line, r in zip(table, rows):
+        assert line.split()[:3] == [str(r["rank"]), str(r["tokens"]), f"{r['tokens_per_s']:.0f}"], (line, r)
 
 
 def test_cli_rejects_bad_rank_count():

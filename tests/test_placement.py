@@ -1,3 +1,5 @@
+import collections
+import itertools
 import math
 
 import pytest
@@ -31,17 +33,36 @@ def test_every_expert_owned_and_every_rank_complete(p):
         assert pulled | set(p.owned[r]) == set(range(p.num_experts))
 
 
-@settings(max_examples=300, deadline=None)
-@given(placements())
-def test_sources_balanced(p):
-    """No pull can move to another owner and lower the busier of the two sources."""
-    load = p.source_load()
-    assert sum(load) == sum(len(p.missing_experts(r)) for r in range(p.group_size))
-    for r in range(p.group_size):
-        for e in p.missing_experts(r):
-            src = p.source[r][e]
-            for alt in p.owners(e):
-                assert alt == r or load[alt] + 1 >= load[src], (r, e, src, alt, load)
+def _fewest_pulls_on_busiest_source(p) -> int:
+    """Brute force: the smallest largest source load over every choice of owners for every pull."""
+    pulls = [(r, e) for r in range(p.group_size) for e in p.missing_experts(r)]
+    choices = [[o for o in p.owners(e) if o != r] for r, e in pulls]
+    best = len(pulls)
+    for choice in itertools.product(*choices):
+        best = min(best, max(collections.Counter(choice).values(), default=0))
+    return best
+
+
+def _small_redundant_cases():
+    """Every redundant (E, G, L) with E <= 10 whose pulls have at most 50,000 choices of owners."""
+    for num_experts in range(2, 11):
+        for group_size in range(2, num_experts + 1):
+            for local in range(math.ceil(num_experts / group_size), num_experts):
+                p = build_placement(num_experts, group_size, local)
+                choices = math.prod(len(p.owners(e)) for r in range(group_size) for e in p.missing_experts(r))
+                if p.is_redundant and choices <= 50_000:
+                    yield p
+
+
+def test_busiest_source_is_as_light_as_any_choice_of_owners():
+    cases = list(_small_redundant_cases())
+    assert len(cases) > 50, f"only {len(cases)} cases: the oracle would check too little"
+    for p in cases:
+        got, best = max(p.source_load()), _fewest_pulls_on_busiest_source(p)
+        assert got == best, (
+            f"E={p.num_experts} G={p.group_size} L={p.num_local_experts}: busiest source serves {got} pulls, "
+            f"{best} is possible; loads {p.source_load()}"
+        )
 
 
 @pytest.mark.parametrize("num_experts, group_size", [(8, 2), (8, 4), (16, 8), (256, 8), (12, 3)])
@@ -53,10 +74,39 @@ def test_disjoint_placement_when_group_divides(num_experts, group_size):
     assert p.source_load() == (per_source,) * group_size
 
 
-def test_redundancy_when_group_does_not_divide():
+# floor(r * E / G) by hand; each rank keeps L consecutive experts from its start, wrapping at E.
+OWNED_BY_HAND = [
+    ((8, 3, None), ((0, 1, 2), (2, 3, 4), (5, 6, 7))),                 # starts 0, 2, 5
+    ((7, 3, None), ((0, 1, 2), (2, 3, 4), (4, 5, 6))),                 # starts 0, 2, 4
+    ((5, 3, None), ((0, 1), (1, 2), (3, 4))),                          # starts 0, 1, 3
+    ((6, 4, None), ((0, 1), (1, 2), (3, 4), (4, 5))),                  # starts 0, 1, 3, 4
+    ((10, 4, None), ((0, 1, 2), (2, 3, 4), (5, 6, 7), (7, 8, 9))),     # starts 0, 2, 5, 7
+    ((16, 6, None), ((0, 1, 2), (2, 3, 4), (5, 6, 7), (8, 9, 10), (10, 11, 12), (13, 14, 15))),
+    ((8, 3, 4), ((0, 1, 2, 3), (2, 3, 4, 5), (0, 5, 6, 7))),           # rank 2 wraps: 5, 6, 7, 0
+    ((9, 2, 6), ((0, 1, 2, 3, 4, 5), (0, 4, 5, 6, 7, 8))),            # starts 0, 4: rank 1 wraps to 0
+]
+
+
+@pytest.mark.parametrize("args, owned", OWNED_BY_HAND, ids=lambda x: str(x))
+def test_owned_ranges_start_at_floor_r_e_over_g(args, owned):
+    p = build_placement(*args)
+    assert p.owned == owned, f"build_placement{args}.owned = {p.owned}, expected {owned}"
+
+
+def test_redundant_experts_have_every_overlapping_owner():
     p = build_placement(8, 3)
-    assert p.num_local_experts == 3 and p.is_redundant
-    assert any(len(p.owners(e)) > 1 for e in range(8))
+    owners = {e: p.owners(e) for e in range(8)}
+    assert owners == {0: (0,), 1: (0,), 2: (0, 1), 3: (1,), 4: (1,), 5: (2,), 6: (2,), 7: (2,)}, owners
+
+
+def test_redundant_pulls_balance_three_sources_by_hand():
+    """E=8, G=3, L=4 owns {0-3}, {2-5}, {5-7, 0}. Forced pulls: rank 2 serves 6 and 7 to ranks 0 and 1
+    (4), rank 1 serves 4 to ranks 0 and 2 (2), rank 0 serves 1 to ranks 1 and 2 (2). The free ones
+    (5 to rank 0, 0 to rank 1, 2 and 3 to rank 2) must avoid rank 2 and split 2 + 2: loads 4, 4, 4."""
+    p = build_placement(8, 3, 4)
+    assert p.source_load() == (4, 4, 4), p.source
+    assert p.source[0][5] == 1 and p.source[1][0] == 0, p.source
+    assert sorted((p.source[2][2], p.source[2][3])) == [0, 1], p.source
 
 
 def test_more_local_experts_cut_pulls():

@@ -1,9 +1,10 @@
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, pull_order, slot_layout
+from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, pull_order
 
 TENSOR_NBYTES = (6144, 3072)  # gate_up and down of one expert
 
@@ -14,16 +15,16 @@ def _plan(num_experts, group_size, rank, slice_bytes, layer=1, num_layers=3, loc
     return p, seg, build_copy_plan(p, rank, layer, 0, seg, slice_bytes)
 
 
-def _expected_transfers(p, seg, rank, layer, nbytes):
-    """(src peer, src byte range, dst byte range) of every whole tensor the rank must receive."""
-    layout = slot_layout(p, rank, nbytes)
-    out = []
-    for pi, peer in enumerate(layout.peers):
-        for i, e in enumerate(layout.experts_by_peer[pi]):
-            for t, n in enumerate(nbytes):
-                src = seg.offset(layer, p.owned[peer].index(e), t)
-                out.append((peer, src, layout.offset(pi, i, t), n, e))
-    return out, layout
+def _expert_bytes(num_layers, num_experts, nbytes, seed):
+    """full[l][e][t]: seeded random uint8 bytes of tensor t of expert e in layer l."""
+    gen = torch.Generator().manual_seed(seed)
+    return [[[torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen) for n in nbytes]
+             for _ in range(num_experts)] for _ in range(num_layers)]
+
+
+def _segment(full, owned):
+    """A rank's source segment as documented: per layer, [tensor 0 of its experts][tensor 1 of its experts]."""
+    return torch.cat([full[l][e][t] for l in range(len(full)) for t in range(len(full[0][0])) for e in owned])
 
 
 @settings(max_examples=150, deadline=None)
@@ -32,26 +33,49 @@ def _expected_transfers(p, seg, rank, layer, nbytes):
     data=st.data(),
     slice_bytes=st.sampled_from([1, 1000, 1024, 3072, 4096, 5000, 6144, 1 << 20]),
 )
-def test_every_byte_copied_exactly_once(num_experts, data, slice_bytes):
+def test_plan_fills_the_documented_slot_layout_with_the_right_bytes(num_experts, data, slice_bytes):
+    """Run the plan on segments built from the documented layout and read the slot back by hand:
+    per source peer in pull order (rank + 1, rank + 2, ...), tensor 0 of the experts pulled from it
+    (ascending), then tensor 1. Every byte must be the pulled expert's own, written exactly once."""
     group_size = data.draw(st.integers(2, num_experts))
     rank = data.draw(st.integers(0, group_size - 1))
+    local = data.draw(st.one_of(st.none(), st.integers(-(-num_experts // group_size), num_experts)))
     nbytes = (96, 48) if slice_bytes == 1 else TENSOR_NBYTES
-    p, seg, plan = _plan(num_experts, group_size, rank, slice_bytes, nbytes=nbytes)
-    expected, layout = _expected_transfers(p, seg, rank, 1, nbytes)
-    written = bytearray(layout.total_nbytes)
+    layer = 1
+    p, _, plan = _plan(num_experts, group_size, rank, slice_bytes, layer=layer, local=local, nbytes=nbytes)
+    full = _expert_bytes(3, num_experts, nbytes, seed=num_experts * 100 + rank)
+    segments = [_segment(full, p.owned[r]) for r in range(group_size)]
+    missing = [e for e in range(num_experts) if e not in p.owned[rank]]
+    slot = torch.zeros(len(missing) * sum(nbytes), dtype=torch.uint8)
+    written = torch.zeros(slot.numel(), dtype=torch.int32)
     for s in plan.slices:
-        assert 1 <= s.nbytes <= slice_bytes
-        for b in range(s.dst_offset, s.dst_offset + s.nbytes):
-            written[b] += 1
-    assert set(written) <= {1}, "some destination byte copied twice or never"
-    assert len(written) == sum(n for *_, n, _ in expected)
-    # Every slice reads the matching bytes of the matching source tensor.
-    for peer, src, dst, n, e in expected:
-        covering = [s for s in plan.slices if dst <= s.dst_offset < dst + n]
-        assert sum(s.nbytes for s in covering) == n
-        for s in covering:
-            assert (s.peer, s.expert, s.src_offset - src) == (peer, e, s.dst_offset - dst), (s, peer, src, dst)
-    assert plan.nbytes == len(p.missing_experts(rank)) * sum(nbytes)
+        assert 1 <= s.nbytes <= slice_bytes, s
+        slot[s.dst_offset : s.dst_offset + s.nbytes] = segments[s.peer][s.src_offset : s.src_offset + s.nbytes]
+        written[s.dst_offset : s.dst_offset + s.nbytes] += 1
+    assert written.eq(1).all(), f"slot bytes written {sorted(set(written.tolist()))} times, expected once each"
+    offset = 0
+    for k in range(1, group_size):
+        peer = (rank + k) % group_size
+        pulled = [e for e in missing if p.source[rank][e] == peer]
+        for t, n in enumerate(nbytes):
+            for e in pulled:
+                assert torch.equal(slot[offset : offset + n], full[layer][e][t]), (
+                    f"rank {rank}: slot bytes [{offset}, {offset + n}) are not tensor {t} of expert {e} from peer {peer}")
+                offset += n
+    assert offset == slot.numel() == plan.nbytes, (offset, slot.numel(), plan.nbytes)
+
+
+def test_one_small_plan_by_hand():
+    """E=4, G=2, 2 layers, tensors of 6 and 3 bytes, slices of 4, rank 0 pulling layer 1 from rank 1.
+    Rank 1's segment per layer (18 bytes): gate_up e2 @0, gate_up e3 @6, down e2 @12, down e3 @15;
+    layer 1 starts at 18. Rank 0's slot: gate_up e2 @0, e3 @6, down e2 @12, e3 @15. Expert-major."""
+    p = build_placement(4, 2)
+    plan = build_copy_plan(p, 0, 1, 0, SegmentLayout(2, 2, (6, 3)), 4)
+    got = [(s.peer, s.src_offset, s.dst_offset, s.nbytes, s.expert) for s in plan.slices]
+    assert got == [
+        (1, 18, 0, 4, 2), (1, 22, 4, 2, 2), (1, 30, 12, 3, 2),
+        (1, 24, 6, 4, 3), (1, 28, 10, 2, 3), (1, 33, 15, 3, 3),
+    ], got
 
 
 def test_slices_interleave_peers_slice_offset_first():

@@ -56,7 +56,57 @@ def test_layers_cycle_through_slots(pair):
         assert torch.equal(buffers[slot], expected(layer)), f"layer {layer} slot {slot}"
         prefetcher.release(slot)
     assert prefetcher.stats.waits == 2 * NUM_LAYERS
-    assert prefetcher.stats.bytes_copied == prefetcher.stats.plans_issued * prefetcher.plans.get(0, 0).nbytes
+
+
+class CountingTransport:
+    """Passes every submit through and records (layer, slot, bytes) of what really went out; every
+    other transport call goes straight to the real transport."""
+
+    def __init__(self, inner):
+        self.inner, self.submitted = inner, []
+
+    def submit(self, plan, slot_buffer):
+        self.submitted.append((plan.layer, plan.slot, sum(s.nbytes for s in plan.slices)))
+        return self.inner.submit(plan, slot_buffer)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+# Rank 0 of build_placement(6, 2) owns experts 0-2 and pulls 3-5: 3 x (3000 + 1500) bytes per layer.
+LAYER_BYTES = 3 * sum(TENSOR_NBYTES)
+# Two forwards over 3 MoE layers; visit n reads slot n % B and issues the next B - 1 layers into
+# the slots after it, skipping slots that already hold the layer. Worked by hand:
+#   B=2: every visit must refill the other slot (layer 0 goes to slot 0 at start, then 1->1, 2->0,
+#        0->1, 1->0, 2->1, 0->0); no visit finds its next layer already there.
+#   B=3: slot s holds layer s for good after the first visit: 3 copies, then visits 1-5 all hit.
+#   B=4: the first visit fills all four slots (0->0, 1->1, 2->2, 0->3); each later visit finds
+#        the next layer in place (a hit) and refills the slot three ahead.
+COPIES_BY_HAND = {
+    2: ([(0, 0), (1, 1), (2, 0), (0, 1), (1, 0), (2, 1), (0, 0)], 0),
+    3: ([(0, 0), (1, 1), (2, 2)], 5),
+    4: ([(0, 0), (1, 1), (2, 2), (0, 3), (1, 0), (2, 1), (0, 2), (1, 3), (2, 0)], 5),
+}
+
+
+@pytest.mark.parametrize("pair", [2, 3, 4], indirect=True)
+def test_a_slot_holding_the_wanted_layer_is_reused_not_copied_again(pair):
+    prefetcher, buffers, expected = pair
+    counting = CountingTransport(prefetcher.transport)
+    prefetcher.transport = counting
+    for _ in range(2):
+        prefetcher.start_forward()  # what DWDPModel's forward pre-hook does
+        for layer in range(NUM_LAYERS):
+            slot = prefetcher.begin(layer)
+            prefetcher.wait(layer, slot)
+            assert torch.equal(buffers[slot], expected(layer)), f"layer {layer} slot {slot}"
+            prefetcher.release(slot)
+    copies, hits = COPIES_BY_HAND[len(buffers)]
+    got = [(layer, slot) for layer, slot, _ in counting.submitted]
+    assert got == copies, f"B={len(buffers)}: copies (layer, slot) {got}, expected {copies}"
+    assert [n for *_, n in counting.submitted] == [LAYER_BYTES] * len(copies), counting.submitted
+    stats = prefetcher.stats
+    assert (stats.plans_issued, stats.bytes_copied, stats.slot_hits) == (len(copies), LAYER_BYTES * len(copies), hits), stats
 
 
 def test_slot_not_overwritten_while_a_slow_consumer_reads(pair):

@@ -3,6 +3,9 @@ every test here, checked against the unwrapped model in this process."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -140,9 +143,53 @@ def test_concurrent_clients_none_lost_or_duplicated(server, reference):
     after = httpx.get(f"{server.url}/health").json()
     served = [a["served_requests"] - b["served_requests"] for a, b in zip(after["workers"], before["workers"])]
     assert sum(served) == len(prompts), served
-    assert all(n > 0 for n in served), f"the router left a worker idle: {served}"
     assert batched > 0, "no request shared a forward: batching never happened"
     assert after["in_flight"] == 0 and all(w["outstanding_tokens"] == 0 for w in after["workers"]), after
+
+
+def wait_for_health(server, condition, what: str, timeout_s: float = 30.0) -> dict:
+    """Poll /health until `condition(health)` holds: the router's own state, not a guess at timing."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        health = httpx.get(f"{server.url}/health", timeout=10.0).json()
+        if condition(health):
+            return health
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout_s:.0f} s: {health}"
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(90)
+def test_router_passes_over_a_loaded_worker(server, reference):
+    """With every worker paused (SIGSTOP) nothing finishes: a 200-token prompt goes to one worker,
+    then six 10-token prompts, each admitted before the next is sent. Least outstanding tokens
+    puts them on the two other workers (30 tokens each, still below 200); a router that does not
+    see the 200 outstanding tokens hands the third short prompt to the loaded worker."""
+    idle = wait_for_health(server, lambda h: h["in_flight"] == 0, "an idle server")
+    pids = [w["pid"] for w in idle["workers"]]
+    long_ids, shorts = prompt(7000, 200), [prompt(7001 + i, 10) for i in range(6)]
+    with ThreadPoolExecutor(1 + len(shorts)) as pool:
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            futures = [pool.submit(post, server, "/v1/prefill", {"input_ids": long_ids})]
+            health = wait_for_health(server, lambda h: h["in_flight"] == 1, "the long prompt admitted")
+            loaded = [w["rank"] for w in health["workers"] if w["outstanding_tokens"] == 200]
+            for n, ids in enumerate(shorts, start=2):
+                futures.append(pool.submit(post, server, "/v1/prefill", {"input_ids": ids}))
+                health = wait_for_health(server, lambda h, n=n: h["in_flight"] == n, f"{n} prompts admitted")
+            outstanding = [w["outstanding_tokens"] for w in health["workers"]]
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        answers = [f.result() for f in futures]
+    assert len(loaded) == 1, f"the long prompt is not on exactly one worker: {health}"
+    expected = [200 if rank == loaded[0] else 30 for rank in range(RANKS)]
+    assert outstanding == expected, f"outstanding tokens per rank {outstanding}, expected {expected}"
+    assert [r.status_code for r in answers] == [200] * len(answers), [r.text for r in answers]
+    ranks = [r.json()["rank"] for r in answers]
+    assert ranks[0] == loaded[0] and loaded[0] not in ranks[1:], f"long prompt on {loaded}, answers from {ranks}"
+    for ids, r in zip([long_ids, *shorts], answers):
+        assert_first_token(r.json()["first_token_id"], reference(ids)[0])
 
 
 @pytest.mark.timeout(60)

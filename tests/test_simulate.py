@@ -76,9 +76,20 @@ def test_uncontended_exposure_curve_is_one_minus_ratio():
     assert np.allclose(curve.exposed, [1.0, 0.5, 0.0, 0.0], atol=1e-9), curve.exposed
 
 
-def test_preset_simulation_runs_and_reports():
-    cfg = SimConfig(iterations=20, cv=0.2)
-    result = simulate(cfg)
-    assert result.speedup > 0 and 0 < result.dep_wait_frac < 0.5, result.row()
+def test_preset_simulation_without_imbalance_equals_the_roofline():
+    """Two separate models of one deployment: with every rank at max-num-tokens and no contention the
+    simulator's speedup is the roofline's DEP / DWDP forward time (costmodel.predict); imbalance
+    then only adds DEP barrier waits, so the speedup must rise."""
+    balanced = simulate(SimConfig(iterations=20, cv=0.0))
+    cfg = balanced.config
+    roofline = cm.predict(cm.load_model(cfg.model), cm.load_hardware(cfg.hardware),
+                          cm.Workload(cfg.isl, cfg.max_num_tokens),
+                          cm.Deployment(cfg.group_size, cfg.num_local_experts, cfg.weight_dtype))
+    assert math.isclose(balanced.speedup, roofline.speedup, rel_tol=1e-9), (balanced.row(), roofline.speedup)
+    # Equal tokens on every rank: throughput ratio = DEP iteration time / DWDP iteration time.
+    assert math.isclose(balanced.speedup, balanced.dep_iter_s / balanced.dwdp_iter_s, rel_tol=1e-9), balanced.row()
+    assert balanced.dep_wait_frac == 0.0, balanced.row()
+    imbalanced = simulate(SimConfig(iterations=20, cv=0.2))
+    assert imbalanced.dep_wait_frac > 0 and imbalanced.speedup > balanced.speedup, (imbalanced.row(), balanced.row())
     with pytest.raises(ValueError, match="cv=-0.1"):
         dataclasses.replace(cfg, cv=-0.1)

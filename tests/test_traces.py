@@ -389,3 +389,26 @@ def test_demo_scripts_run(demo_traces, tmp_path):
         extra = ["-o", str(tmp_path / "t.png")] if name == "timeline" else []
         assert _script(name).main([str(demo_traces), "--json", str(tmp_path / f"{name}.json")] + extra) == 0, name
     assert (tmp_path / "t.png").stat().st_size > 10_000
+
+
+# ---------------------------------------------------------------------------------------------
+# The stored demo run quoted in traces/README.md
+# ---------------------------------------------------------------------------------------------
+STORED = REPO / "traces" / "results" / "demo_cpu"
+
+
+def _without_source(doc):
+    """The JSON minus its "source" fields (the path the script was given)."""
+    if isinstance(doc, dict):
+        return {k: _without_source(v) for k, v in doc.items() if k != "source"}
+    if isinstance(doc, list):
+        return [_without_source(v) for v in doc]
+    return doc
+
+
+@pytest.mark.parametrize("name, args", [("breakdown", ["--skip", "1"]), ("contention", []), ("bubbles", ["--skip", "1"])])
+def test_stored_demo_outputs_are_what_the_scripts_print_for_the_stored_traces(tmp_path, name, args):
+    out = tmp_path / f"{name}.json"
+    assert _script(name).main([str(STORED)] + args + ["--json", str(out)]) == 0, name
+    got, stored = json.loads(out.read_text()), json.loads((STORED / f"{name}.json").read_text())
+    assert _without_source(got) == _without_source(stored), f"{name}: stored JSON differs from a re-run on the traces"
