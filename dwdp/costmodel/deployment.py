@@ -1,4 +1,4 @@
-"""What a rank's forward carries (Workload) and how the model is spread (Deployment)."""
+"""What a rank's forward carries (Workload, ForwardShape) and how the model is spread (Deployment)."""
 from __future__ import annotations
 
 import math
@@ -74,8 +74,8 @@ class Deployment:
     num_local_experts: int | None = None
     weight_dtype: str = "nvfp4"
     dense_dtype: str | None = None
-    a2a_bytes_per_elem: int = ACT_BYTES  # DEP dispatch / combine payload
     num_buffers: int = 2
+    merge_copy: bool = False  # copy the local experts next to the prefetched ones before each grouped GEMM
 
     def local_experts(self, num_experts: int) -> int:
         low = math.ceil(num_experts / self.group_size)
@@ -90,12 +90,35 @@ class Deployment:
         weight_format(self.weight_dtype)
         if self.dense_dtype is not None:
             weight_format(self.dense_dtype)
+        if self.num_buffers < 2:
+            raise ValueError(f"num_buffers={self.num_buffers} must be >= 2")
 
+    @property
+    def dispatch_bytes_per_elem(self) -> float:
+        """DEP sends tokens quantized as its expert GEMMs take them; the combine returns bf16."""
+        return min(weight_format(self.weight_dtype).act_bytes, ACT_BYTES)
 
-# ---------------------------------------------------------------------------------------------
 
 
 def formats(deploy: Deployment) -> tuple[WeightFormat, WeightFormat]:
     """(expert format, dense format) of a deployment."""
     fmt = weight_format(deploy.weight_dtype)
     return fmt, weight_format(deploy.dense_dtype or deploy.weight_dtype)
+
+
+@dataclass(frozen=True)
+class ForwardShape:
+    """Token counts of one forward per rank, the attention work they carry, for every attention window
+    of the model. tokens [S]; pairs[window], keys_read[window]: causal (query, key) pairs and K/V rows
+    read, [S]. S: scalar, [I] or [I, N]."""
+
+    tokens: float | np.ndarray
+    pairs: dict
+    keys_read: dict
+
+
+def workload_shape(workload: Workload, windows, tokens=None) -> ForwardShape:
+    """A Workload's forward; `tokens` overrides T (attention per token stays the workload's)."""
+    t = workload.tokens if tokens is None else np.asarray(tokens, float)
+    return ForwardShape(t, {w: t * workload.pairs_per_token(w) for w in set(windows)},
+                        {w: t * workload.keys_read_per_token(w) for w in set(windows)})

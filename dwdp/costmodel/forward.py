@@ -1,10 +1,12 @@
-"""One forward on one rank: per-layer costs, prefetch, all-to-all, and DWDP vs DEP.
+"""One forward on one rank: per-layer operators, prefetch, all-to-all, and DWDP vs DEP.
 
-What DWDP and DEP pay per MoE layer (DESIGN.md 1.4):
-    DWDP: the prefetch of layer j is issued when MoE j-1 starts, so it overlaps the window
-          w_j = MoE_{j-1} + everything up to the MoE of layer j; exposed_j = max(0, T_prefetch - w_j).
-    DEP:  T_compute + T_all2all (dispatch + combine), no prefetch; waiting under imbalance is the
-          simulator's job (dwdp.simulate).
+Legend: T = tokens per rank per forward, E = routed experts, L = local experts per rank, N = group
+size, M = MoE layers. Times in seconds, bytes in bytes.
+
+DWDP: the timeline of dwdp.costmodel.timeline (copies issued when a buffer is released, compute
+slowed by the copies' interference, exposed waits where a copy is late).
+DEP:  compute on its E/N experts fed with T*k rows gathered from all ranks, plus dispatch and combine;
+waiting under imbalance is the simulator's job (dwdp.simulate).
 """
 from __future__ import annotations
 
@@ -13,17 +15,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .deployment import Deployment, Workload, formats
+from .calibration import IDEAL, OTHERS, Calibration
+from .deployment import Deployment, ForwardShape, Workload, formats, workload_shape
 from .formats import ACT_BYTES
 from .hardware import Hardware
+from .interference import CopySlowdown, copy_slowdown
 from .models import ModelSpec
-from .operators import OpCost, _norm_elems, attention_ops, attention_projections, dense_mlp_ops, moe_ops
+from .operators import OpCost, attention_ops, attention_projections, dense_mlp_ops, moe_ops, norm_elems
+from .timeline import RankTimeline, dwdp_timeline
 
 
 @dataclass(frozen=True)
 class LayerCost:
-    """Operator costs of layer `index` on one rank. mlp: DWDP rank (all E experts' weights read);
-    mlp_dep: DEP rank (its E/N experts, fed with T*k rows gathered from all ranks)."""
+    """Operator costs of layer `index` on one rank, in execution order. mlp: DWDP rank (all E
+    experts' weights read); mlp_dep: DEP rank (its E/N experts, fed with T*k rows from all ranks)."""
 
     index: int
     is_moe: bool
@@ -47,26 +52,26 @@ class LayerCost:
         return self.attn + self.mlp
 
 
-def layer_costs(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deployment, tokens=None) -> list[LayerCost]:
-    """Costs of every layer for one forward. tokens overrides the workload's T (an array gives one
-    cost per entry; prompts keep the workload's isl, so attention per token is unchanged)."""
+def layer_costs(spec: ModelSpec, hw: Hardware, work: Workload | ForwardShape, deploy: Deployment, tokens=None,
+                cal: Calibration = IDEAL) -> list[LayerCost]:
+    """Costs of every layer for one forward. work: a Workload (tokens overrides its T, attention per
+    token unchanged) or a ForwardShape (arrays give one cost per entry)."""
     fmt, dense = formats(deploy)
-    t = workload.tokens if tokens is None else np.asarray(tokens, float)
-    n = deploy.group_size
-    dep_held = math.ceil(spec.num_experts / n)
+    shape = workload_shape(work, spec.window, tokens) if isinstance(work, Workload) else work
+    t = shape.tokens
+    dep_held = math.ceil(spec.num_experts / deploy.group_size)
     cache: dict = {}
     out = []
     for index, (moe, window) in enumerate(zip(spec.is_moe, spec.window)):
         key = (moe, window)
         if key not in cache:
-            attn = attention_ops(spec, hw, t, t * workload.pairs_per_token(window),
-                                 t * workload.keys_read_per_token(window), dense)
+            attn = attention_ops(spec, hw, t, shape.pairs[window], shape.keys_read[window], dense, cal)
             if moe:
-                mlp = moe_ops(spec, hw, t, fmt, dense, spec.num_experts)
+                mlp = moe_ops(spec, hw, t, fmt, dense, spec.num_experts, cal=cal)
                 # Balanced routing: every DEP rank computes T*k rows drawn from all N ranks' tokens.
-                mlp_dep = moe_ops(spec, hw, t, fmt, dense, dep_held, routing_tokens=t * n)
+                mlp_dep = moe_ops(spec, hw, t, fmt, dense, dep_held, routing_tokens=t * deploy.group_size, cal=cal)
             else:
-                mlp = mlp_dep = dense_mlp_ops(spec, hw, t, dense)
+                mlp = mlp_dep = dense_mlp_ops(spec, hw, t, dense, cal)
             cache[key] = (tuple(attn), tuple(mlp), tuple(mlp_dep))
         attn, mlp, mlp_dep = cache[key]
         out.append(LayerCost(index, moe, attn, mlp, mlp_dep))
@@ -81,8 +86,27 @@ def remote_bytes_per_layer(spec: ModelSpec, deploy: Deployment) -> int:
 
 
 def prefetch_time(spec: ModelSpec, hw: Hardware, deploy: Deployment) -> float:
-    """Uncontended T_prefetch: remote bytes over the rank's inbound link."""
+    """Uncontended T_prefetch at the nominal link rate: remote bytes over the rank's inbound link."""
     return remote_bytes_per_layer(spec, deploy) / hw.link_bytes_per_s
+
+
+def copy_time(spec: ModelSpec, hw: Hardware, deploy: Deployment, stretch: float = 1.0) -> float:
+    """One MoE layer's prefetch at the rate copy engines sustain, times the contention `stretch`
+    (mean prefetch duration / uncontended, from dwdp.contention; 1 = no contention)."""
+    if stretch < 1.0:
+        raise ValueError(f"stretch={stretch} must be >= 1: contention only lengthens a prefetch")
+    return remote_bytes_per_layer(spec, deploy) / hw.copy_bytes_per_s * stretch
+
+
+def merge_op(spec: ModelSpec, hw: Hardware, deploy: Deployment, cal: Calibration) -> OpCost | None:
+    """The D2D copy of the L local experts into the layer's full [E, ...] buffer, beside the pulled
+    ones, before a grouped GEMM that takes one tensor (read + write); None when the kernel reads the
+    experts where they lie (DESIGN.md 1.2)."""
+    if not deploy.merge_copy:
+        return None
+    fmt, _ = formats(deploy)
+    nbytes = 2 * deploy.local_experts(spec.num_experts) * sum(spec.expert_nbytes(fmt))
+    return OpCost.make("merge_copy", OTHERS, 0.0, nbytes, "fp32", hw, cal)
 
 
 def remote_ranks_per_token(num_experts: int, group_size: int, top_k: int) -> float:
@@ -97,37 +121,32 @@ def remote_ranks_per_token(num_experts: int, group_size: int, top_k: int) -> flo
 
 
 def all2all_bytes(spec: ModelSpec, deploy: Deployment, tokens):
-    """Bytes one DEP rank sends (= receives, balanced) per MoE layer: dispatch + combine."""
-    per_direction = tokens * remote_ranks_per_token(spec.num_experts, deploy.group_size, spec.top_k) \
-        * spec.hidden * deploy.a2a_bytes_per_elem
-    return 2 * per_direction
+    """Bytes one DEP rank sends (= receives, balanced) per MoE layer: the dispatch (tokens quantized as
+    the expert GEMMs take them) plus the combine (bf16)."""
+    per_elem = deploy.dispatch_bytes_per_elem + ACT_BYTES
+    return tokens * remote_ranks_per_token(spec.num_experts, deploy.group_size, spec.top_k) * spec.hidden * per_elem
 
 
-def prefetch_windows(attn_s, mlp_s, is_moe) -> list:
-    """Compute window hiding each MoE layer's prefetch: from the start of the previous MoE layer's
-    experts to the start of this one's (wrapping to the previous forward for the first MoE layer)."""
-    moe_layers = [l for l, m in enumerate(is_moe) if m]
-    windows = []
-    for j, layer in enumerate(moe_layers):
-        prev = moe_layers[j - 1]
-        span = list(range(prev, layer)) if prev < layer else list(range(prev, len(is_moe))) + list(range(0, layer))
-        w = mlp_s[prev] + attn_s[layer]
-        for l in span[1:]:
-            w = w + attn_s[l] + mlp_s[l]
-        windows.append(w)
-    return windows
+def all2all_time(spec: ModelSpec, hw: Hardware, deploy: Deployment, tokens, cal: Calibration = IDEAL):
+    """Dispatch + combine of one MoE layer at the all-to-all's share of the link rate."""
+    return all2all_bytes(spec, deploy, tokens) / (hw.link_bytes_per_s * cal.all_to_all)
 
 
-def dwdp_forward_time(attn_s, mlp_s, is_moe, t_prefetch):
-    """One DWDP forward: all compute plus, per MoE layer, the prefetch its window does not hide."""
-    compute = sum(a + m for a, m in zip(attn_s, mlp_s))
-    exposed = sum(np.maximum(0.0, t_prefetch - w) for w in prefetch_windows(attn_s, mlp_s, is_moe))
-    return compute + exposed
+def rank_timeline(spec: ModelSpec, hw: Hardware, layers: list[LayerCost], deploy: Deployment,
+                  cal: Calibration = IDEAL, stretch: float = 1.0) -> tuple[RankTimeline, CopySlowdown]:
+    """One DWDP rank's forward over `layers` with its prefetches, and the slowdown the copies cause."""
+    t_copy = copy_time(spec, hw, deploy, stretch)
+    remote = remote_bytes_per_layer(spec, deploy)
+    slowdown = copy_slowdown(hw, remote / t_copy if t_copy > 0 else 0.0, cal)
+    timeline = dwdp_timeline([list(l.attn + l.mlp) for l in layers], [l.is_moe for l in layers], t_copy, slowdown,
+                             merge_op(spec, hw, deploy, cal), deploy.num_buffers)
+    return timeline, slowdown
 
 
 @dataclass(frozen=True)
 class Prediction:
-    """One rank, one forward, no imbalance, no contention. Per-layer figures are means over MoE layers."""
+    """One rank, one forward, no imbalance, no contention (stretch 1). Per-layer figures are means
+    over MoE layers; t_compute excludes interference, dwdp_forward_s includes it."""
 
     model: str
     hardware: str
@@ -142,18 +161,20 @@ class Prediction:
     remote_bytes_per_layer: int
     t_compute: float  # s, attention + MoE of one MoE layer on a DWDP rank
     t_compute_dep: float
-    t_prefetch: float
+    t_prefetch: float  # s, one MoE layer's copy at the copy engines' sustained rate
     t_all2all: float
     a2a_bytes_per_layer: float
     dwdp_forward_s: float
+    dwdp_exposed_s: float  # prefetch waits in one forward
     dep_forward_s: float
+    slowdown: CopySlowdown
     dwdp_weight_bytes: float
     dep_weight_bytes: float
     hbm_bytes: float
 
     @property
     def ratio(self) -> float:
-        """Compute / prefetch: >= 1 means the prefetch hides behind compute."""
+        """Compute / prefetch: >= 1 means the prefetch can hide behind one layer's compute."""
         return self.t_compute / self.t_prefetch if self.t_prefetch > 0 else math.inf
 
     @property
@@ -170,9 +191,11 @@ class Prediction:
             "t_compute_ms": 1e3 * self.t_compute, "t_compute_dep_ms": 1e3 * self.t_compute_dep,
             "t_prefetch_ms": 1e3 * self.t_prefetch, "t_all2all_ms": 1e3 * self.t_all2all,
             "remote_gb_per_layer": self.remote_bytes_per_layer / 1e9, "ratio": self.ratio,
-            "dwdp_forward_ms": 1e3 * self.dwdp_forward_s, "dep_forward_ms": 1e3 * self.dep_forward_s,
-            "speedup": self.speedup, "dwdp_weight_gb": self.dwdp_weight_bytes / 1e9,
-            "dep_weight_gb": self.dep_weight_bytes / 1e9, "dwdp_fits": self.dwdp_fits,
+            "dwdp_forward_ms": 1e3 * self.dwdp_forward_s, "dwdp_exposed_ms": 1e3 * self.dwdp_exposed_s,
+            "dep_forward_ms": 1e3 * self.dep_forward_s, "speedup": self.speedup,
+            "compute_slowdown": self.slowdown.compute, "memory_slowdown": self.slowdown.memory,
+            "dwdp_weight_gb": self.dwdp_weight_bytes / 1e9, "dep_weight_gb": self.dep_weight_bytes / 1e9,
+            "dwdp_fits": self.dwdp_fits,
         }
 
 
@@ -182,7 +205,7 @@ def replicated_weight_bytes(spec: ModelSpec, deploy: Deployment) -> int:
     _, dense = formats(deploy)
     h = spec.hidden
     total = 2 * spec.vocab * h * ACT_BYTES  # embedding + LM head
-    attn = sum(dense.matrix_bytes(r, c) for r, c in attention_projections(spec)) + _norm_elems(spec) * ACT_BYTES
+    attn = sum(dense.matrix_bytes(r, c) for r, c in attention_projections(spec)) + norm_elems(spec) * ACT_BYTES
     for moe in spec.is_moe:
         total += attn
         if moe:
@@ -196,18 +219,19 @@ def replicated_weight_bytes(spec: ModelSpec, deploy: Deployment) -> int:
     return total
 
 
-def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deployment) -> Prediction:
-    """Roofline prediction of one forward on one rank for DWDP and DEP at the same group size."""
+def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deployment,
+            cal: Calibration | None = None) -> Prediction:
+    """Prediction of one forward on one rank for DWDP and DEP at the same group size; `cal` defaults
+    to the calibrated constants (dwdp/data/calibration.json), IDEAL gives the plain roofline."""
+    if cal is None:
+        from .calibration import load_calibration
+        cal = load_calibration()
     fmt, _ = formats(deploy)
-    layers = layer_costs(spec, hw, workload, deploy)
-    attn = [float(l.attn_s) for l in layers]
-    mlp = [float(l.mlp_s) for l in layers]
-    mlp_dep = [float(l.mlp_dep_s) for l in layers]
+    layers = layer_costs(spec, hw, workload, deploy, cal=cal)
     moe = [l.is_moe for l in layers]
     num_moe = max(1, sum(moe))
-    t_prefetch = prefetch_time(spec, hw, deploy)
-    a2a_bytes = float(all2all_bytes(spec, deploy, workload.tokens))
-    t_a2a = a2a_bytes / hw.link_bytes_per_s
+    timeline, slowdown = rank_timeline(spec, hw, layers, deploy, cal)
+    t_a2a = float(all2all_time(spec, hw, deploy, workload.tokens, cal))
     local = deploy.local_experts(spec.num_experts)
     per_expert = sum(spec.expert_nbytes(fmt))
     replicated = replicated_weight_bytes(spec, deploy)
@@ -216,11 +240,13 @@ def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deploymen
         group_size=deploy.group_size, num_local_experts=local, isl=workload.isl,
         max_num_tokens=workload.max_num_tokens, tokens=workload.tokens, layers=tuple(layers),
         remote_bytes_per_layer=remote_bytes_per_layer(spec, deploy),
-        t_compute=sum(a + m for a, m, x in zip(attn, mlp, moe) if x) / num_moe,
-        t_compute_dep=sum(a + m for a, m, x in zip(attn, mlp_dep, moe) if x) / num_moe,
-        t_prefetch=t_prefetch, t_all2all=t_a2a, a2a_bytes_per_layer=a2a_bytes,
-        dwdp_forward_s=float(dwdp_forward_time(attn, mlp, moe, t_prefetch)),
-        dep_forward_s=sum(attn) + sum(mlp_dep) + t_a2a * sum(moe),
+        t_compute=sum(float(l.attn_s + l.mlp_s) for l in layers if l.is_moe) / num_moe,
+        t_compute_dep=sum(float(l.attn_s + l.mlp_dep_s) for l in layers if l.is_moe) / num_moe,
+        t_prefetch=copy_time(spec, hw, deploy), t_all2all=t_a2a,
+        a2a_bytes_per_layer=float(all2all_bytes(spec, deploy, workload.tokens)),
+        dwdp_forward_s=float(timeline.total_s), dwdp_exposed_s=float(timeline.wait_s),
+        dep_forward_s=sum(float(l.attn_s + l.mlp_dep_s) for l in layers) + t_a2a * sum(moe),
+        slowdown=slowdown,
         dwdp_weight_bytes=replicated + spec.num_moe_layers * local * per_expert
         + deploy.num_buffers * remote_bytes_per_layer(spec, deploy),
         dep_weight_bytes=replicated + spec.num_moe_layers * math.ceil(spec.num_experts / deploy.group_size) * per_expert,
@@ -228,16 +254,19 @@ def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deploymen
     )
 
 
+def prefetch_hidden(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deployment,
+                    cal: Calibration = IDEAL) -> bool:
+    """Whether a forward of `workload` waits for no prefetch (interference included)."""
+    timeline, _ = rank_timeline(spec, hw, layer_costs(spec, hw, workload, deploy, cal=cal), deploy, cal)
+    return float(timeline.wait_s) <= 1e-9 * float(timeline.total_s)
+
+
 def crossover_isl(spec: ModelSpec, hw: Hardware, deploy: Deployment, max_num_tokens: int = 8192,
-                  batch: int | None = None, low: int = 1, high: int = 1 << 20) -> int | None:
-    """Smallest ISL at which every MoE layer's prefetch hides behind its window (bisection; the
-    exposed time falls monotonically with ISL). None if not hidden even at `high`."""
+                  batch: int | None = None, low: int = 1, high: int = 1 << 20, cal: Calibration = IDEAL) -> int | None:
+    """Smallest ISL at which no prefetch is exposed (bisection; the exposed time falls monotonically
+    with ISL). None if still exposed at `high`."""
     def hidden(isl: int) -> bool:
-        w = Workload(isl, max_num_tokens, batch)
-        layers = layer_costs(spec, hw, w, deploy)
-        windows = prefetch_windows([float(l.attn_s) for l in layers], [float(l.mlp_s) for l in layers],
-                                   [l.is_moe for l in layers])
-        return min(windows) >= prefetch_time(spec, hw, deploy)
+        return prefetch_hidden(spec, hw, Workload(isl, max_num_tokens, batch), deploy, cal)
 
     if not hidden(high):
         return None
