@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibration import IDEAL, OTHERS, Calibration
+from .calibration import IDEAL, OTHERS, Calibration, load_calibration
 from .deployment import Deployment, ForwardShape, Workload, formats, workload_shape
 from .formats import ACT_BYTES
 from .hardware import Hardware
@@ -223,9 +223,7 @@ def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deploymen
             cal: Calibration | None = None) -> Prediction:
     """Prediction of one forward on one rank for DWDP and DEP at the same group size; `cal` defaults
     to the calibrated constants (dwdp/data/calibration.json), IDEAL gives the plain roofline."""
-    if cal is None:
-        from .calibration import load_calibration
-        cal = load_calibration()
+    cal = load_calibration() if cal is None else cal
     fmt, _ = formats(deploy)
     layers = layer_costs(spec, hw, workload, deploy, cal=cal)
     moe = [l.is_moe for l in layers]
@@ -255,14 +253,17 @@ def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deploymen
 
 
 def prefetch_hidden(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deployment,
-                    cal: Calibration = IDEAL) -> bool:
-    """Whether a forward of `workload` waits for no prefetch (interference included)."""
+                    cal: Calibration | None = None) -> bool:
+    """Whether a forward of `workload` waits for no prefetch (interference included; `cal` defaults
+    to the calibrated constants)."""
+    cal = load_calibration() if cal is None else cal
     timeline, _ = rank_timeline(spec, hw, layer_costs(spec, hw, workload, deploy, cal=cal), deploy, cal)
     return float(timeline.wait_s) <= 1e-9 * float(timeline.total_s)
 
 
 def crossover_isl(spec: ModelSpec, hw: Hardware, deploy: Deployment, max_num_tokens: int = 8192,
-                  batch: int | None = None, low: int = 1, high: int = 1 << 20, cal: Calibration = IDEAL) -> int | None:
+                  batch: int | None = None, low: int = 1, high: int = 1 << 20,
+                  cal: Calibration | None = None) -> int | None:
     """Smallest ISL at which no prefetch is exposed (bisection; the exposed time falls monotonically
     with ISL). None if still exposed at `high`."""
     def hidden(isl: int) -> bool:

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .calibration import KERNEL_CATEGORIES
-from .interference import CopySlowdown
+from .calibration import GROUPED_GEMM, KERNEL_CATEGORIES
+from .interference import NONE, CopySlowdown
 from .operators import WEIGHTS_NEEDED_BY, OpCost
 
 
@@ -98,3 +98,16 @@ def dwdp_timeline(layers: list[list[OpCost]], is_moe: list[bool], copy_s, slowdo
                 j += 1
     copy_total = zero + num_moe * np.asarray(copy_s, float)
     return RankTimeline(spent, merge_s, wait_s, copy_total, overlapped)
+
+
+def uniform_layers_wait(layer_s: float, copy_s: float, num_moe_layers: int, num_buffers: int = 2,
+                        slowdown: CopySlowdown | None = None) -> float:
+    """Mean prefetch wait per MoE layer when every layer is one MoE layer of `layer_s` seconds of
+    compute (all of it counted before the grouped GEMM: the narrowest window) and each prefetch lasts
+    `copy_s`: what `dwdp tune` asks of a measured layer and a measured copy rate."""
+    if num_moe_layers < 1:
+        raise ValueError(f"num_moe_layers={num_moe_layers} must be >= 1")
+    layer = [OpCost(WEIGHTS_NEEDED_BY, GROUPED_GEMM, 0.0, 0.0, "fp32", float(layer_s), True)]
+    timeline = dwdp_timeline([layer] * num_moe_layers, [True] * num_moe_layers, float(copy_s), slowdown or NONE,
+                             None, num_buffers)
+    return float(timeline.wait_s) / num_moe_layers
