@@ -95,6 +95,8 @@ class SimResult:
     token_cv: float
     stretch: float
     slowdown: cm.CopySlowdown
+    dwdp_weight_bytes: float
+    hbm_bytes: float
 
     @property
     def speedup(self) -> float:
@@ -112,7 +114,8 @@ class SimResult:
                 "dwdp_interference_frac": interference_share(dep, dwdp),
                 "dep_tps_per_gpu": self.dep_tps_per_gpu, "dwdp_tps_per_gpu": self.dwdp_tps_per_gpu,
                 "stretch": self.stretch, "compute_slowdown": self.slowdown.compute,
-                "memory_slowdown": self.slowdown.memory}
+                "memory_slowdown": self.slowdown.memory, "dwdp_weight_gb": self.dwdp_weight_bytes / 1e9,
+                "dwdp_fits": self.dwdp_weight_bytes <= self.hbm_bytes}
 
 
 def interference_share(dep: dict, dwdp: dict) -> float:
@@ -243,4 +246,5 @@ def simulate(cfg: SimConfig, cal: cm.Calibration | None = None) -> SimResult:
         dep_tps_per_gpu=float(tokens.sum() / (tokens.shape[1] * step.sum())),
         dwdp_tps_per_gpu=float(np.mean(tokens.sum(axis=0) / rank_time.sum(axis=0))),
         tokens_per_forward=float(tokens.mean()), token_cv=float(np.mean(tokens.std(axis=1) / tokens.mean(axis=1))),
-        stretch=stretch, slowdown=slowdown)
+        stretch=stretch, slowdown=slowdown, dwdp_weight_bytes=cm.dwdp_weight_bytes(spec, deploy),
+        hbm_bytes=hw.hbm_bytes)

@@ -10,7 +10,8 @@ from .calibration import (ATTENTION, DENSE_GEMM, GROUPED_GEMM, IDEAL, KERNEL_CAT
                           calibration_sources, load_calibration)
 from .deployment import Deployment, ForwardShape, Workload, causal_pairs, formats, workload_shape
 from .formats import ACT_BYTES, FORMATS, WeightFormat, weight_format
-from .forward import (LayerCost, Prediction, all2all_bytes, all2all_time, copy_time, crossover_isl, layer_costs,
+from .forward import (LayerCost, Prediction, all2all_bytes, all2all_time, copy_time, crossover_isl, dwdp_weight_bytes,
+                      layer_costs,
                       merge_op, predict, prefetch_hidden, prefetch_time, rank_timeline, remote_bytes_per_layer,
                       remote_ranks_per_token, replicated_weight_bytes)
 from .hardware import Hardware, PowerFigures, hardware_names, hardware_sources, load_hardware
@@ -24,7 +25,7 @@ __all__ = [
     "Calibration", "CopySlowdown", "Deployment", "ForwardShape", "Hardware", "LayerCost", "ModelSpec", "OpCost",
     "PowerFigures", "Prediction", "RankTimeline", "WeightFormat", "Workload", "all2all_bytes", "all2all_time",
     "attention_ops", "attention_projections", "calibration_sources", "causal_pairs", "copy_slowdown", "copy_time",
-    "crossover_isl", "dense_mlp_ops", "dwdp_timeline", "expected_active", "formats", "hardware_names",
+    "crossover_isl", "dense_mlp_ops", "dwdp_weight_bytes", "dwdp_timeline", "expected_active", "formats", "hardware_names",
     "hardware_sources", "layer_costs", "load_calibration", "load_hardware", "load_model", "merge_op", "model_names",
     "moe_ops", "predict", "prefetch_hidden", "prefetch_time", "preset_config", "preset_source", "rank_timeline",
     "remote_bytes_per_layer", "remote_ranks_per_token", "replicated_weight_bytes", "weight_format", "workload_shape",

@@ -219,6 +219,14 @@ def replicated_weight_bytes(spec: ModelSpec, deploy: Deployment) -> int:
     return total
 
 
+def dwdp_weight_bytes(spec: ModelSpec, deploy: Deployment) -> int:
+    """Weights one DWDP rank holds: replicated + L local experts per MoE layer + the prefetch buffers."""
+    fmt, _ = formats(deploy)
+    local = deploy.local_experts(spec.num_experts) * sum(spec.expert_nbytes(fmt))
+    return (replicated_weight_bytes(spec, deploy) + spec.num_moe_layers * local
+            + deploy.num_buffers * remote_bytes_per_layer(spec, deploy))
+
+
 def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deployment,
             cal: Calibration | None = None) -> Prediction:
     """Prediction of one forward on one rank for DWDP and DEP at the same group size; `cal` defaults
@@ -245,8 +253,7 @@ def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deploymen
         dwdp_forward_s=float(timeline.total_s), dwdp_exposed_s=float(timeline.wait_s),
         dep_forward_s=sum(float(l.attn_s + l.mlp_dep_s) for l in layers) + t_a2a * sum(moe),
         slowdown=slowdown,
-        dwdp_weight_bytes=replicated + spec.num_moe_layers * local * per_expert
-        + deploy.num_buffers * remote_bytes_per_layer(spec, deploy),
+        dwdp_weight_bytes=dwdp_weight_bytes(spec, deploy),
         dep_weight_bytes=replicated + spec.num_moe_layers * math.ceil(spec.num_experts / deploy.group_size) * per_expert,
         hbm_bytes=hw.hbm_bytes,
     )
