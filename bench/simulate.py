@@ -133,14 +133,14 @@ def main() -> None:
     print(f"\nPredicted DWDP/DEP tokens/s per GPU (analytic, not measured): {args.model} {args.dtype} on {args.hw}, "
           f"plan={args.plan}{', merge copy' if args.merge_copy else ''}, {args.iterations} forwards per rank")
     print(f"{'G':>3} {'isl':>6} {'mix':>11} {'mnt':>6} {'cv':>5} {'tok/fwd':>8} {'tok_cv':>6} {'speedup':>8} "
-          f"{'dep_sync':>8} {'dep_a2a':>8} {'dwdp_wait':>9} {'interf':>7} {'stretch':>7}")
+          f"{'dep_sync':>8} {'dep_a2a':>8} {'dwdp_wait':>9} {'interf':>7} {'stretch':>7} {'fits':>5}")
     for r in rows:
         mix = f"std {r['isl_std']:g}" if r["isl_std"] is not None else f"ratio {r['isl_ratio']:g}"
         cv = "-" if r["cv"] is None else f"{r['cv']:.2f}"
         print(f"{r['group_size']:>3} {r['isl']:>6} {mix:>11} {r['max_num_tokens']:>6} {cv:>5} "
               f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['dep_sync_frac']:>8.3f} "
               f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_wait_frac']:>9.3f} {r['dwdp_interference_frac']:>7.3f} "
-              f"{r['stretch']:>7.3f}")
+              f"{r['stretch']:>7.3f} {str(r['dwdp_fits']):>5}")
     print(f"({time.perf_counter() - start:.1f} s)")
 
 
