@@ -39,28 +39,53 @@ def test_balanced_and_hidden_differs_by_all2all_only():
     assert np.allclose(step, dep["Iteration"]) and np.allclose(rank_time, dwdp["Iteration"])
 
 
+class _FixedNormal:
+    """Stands in for the generator: every layer's expert-skew draw is `z`."""
+
+    def __init__(self, z):
+        self.z = np.asarray(z, float)
+
+    def standard_normal(self, shape):
+        return np.broadcast_to(self.z, shape).copy()
+
+
+def _own_s(tokens: float) -> float:
+    """One rank's time in the ops that scale with its own tokens: all but permute, routed experts and
+    their SwiGLU, which run on the rows routed to it."""
+    fmt, t = cm.weight_format("bf16"), float(tokens)
+    total = 0.0
+    for moe in SPEC.is_moe:
+        total += sum(float(op.time_s) for op in cm.attention_ops(SPEC, HW, t, t * 512.5, t, fmt))
+        if moe:
+            ops = cm.moe_ops(SPEC, HW, t, fmt, fmt, 4, routed_tokens=6144.0, routing_tokens=6144.0)
+            total += sum(float(op.time_s) for op in ops if op.name not in ("permute", "routed_experts", "expert_act"))
+        else:
+            total += sum(float(op.time_s) for op in cm.dense_mlp_ops(SPEC, HW, t, fmt))
+    return total
+
+
 def test_dep_waits_for_the_slowest_rank():
     # Two ranks, one with twice the tokens, no expert skew: the light rank waits, at the dispatches
     # and at the end of the step, for all the heavy rank's extra own-token work (everything but the
     # expert rows between dispatch and combine, which both ranks share equally).
     deploy = cm.Deployment(2, weight_dtype="bf16")
     dep, _ = simulate_dep(SPEC, HW, deploy, cm.IDEAL, _shape([[2048.0, 4096.0]]), np.random.default_rng(0))
+    wait = _own_s(4096.0) - _own_s(2048.0)
+    assert math.isclose(dep["Synchronization"] * 2, wait, rel_tol=1e-9), f"waited {dep['Synchronization'] * 2}, {wait}"
 
-    def own(tokens):
-        fmt = cm.weight_format("bf16")
-        t = np.asarray(tokens, float)
-        total = 0.0
-        for moe in SPEC.is_moe:
-            total += sum(float(op.time_s) for op in cm.attention_ops(SPEC, HW, t, t * 512.5, t, fmt))
-            if moe:
-                ops = cm.moe_ops(SPEC, HW, t, fmt, fmt, 4, routed_tokens=6144.0, routing_tokens=6144.0)
-                total += sum(float(op.time_s) for op in ops
-                             if op.name not in ("permute", "routed_experts", "expert_act"))
-            else:
-                total += sum(float(op.time_s) for op in cm.dense_mlp_ops(SPEC, HW, t, fmt))
-        return total
 
-    wait = own(4096.0) - own(2048.0)
+def test_dep_waits_at_dispatch_and_at_combine():
+    # Rank 1 has twice the tokens, rank 0 gets 1.5x the mean routed rows and rank 1 0.5x: rank 0 waits
+    # at every dispatch, rank 1 at every combine, for a full mean share of the expert rows each time.
+    # (One barrier per layer would let the two differences cancel.)
+    deploy = cm.Deployment(2, weight_dtype="bf16")
+    cal = cm.IDEAL.replace(expert_load_cv=0.5)
+    dep, _ = simulate_dep(SPEC, HW, deploy, cal, _shape([[2048.0, 4096.0]]), _FixedNormal([[1.0, -1.0]]))
+    fmt = cm.weight_format("bf16")
+    # The group has 6144 tokens, k = 2: 6144 rows per rank on average.
+    rows = cm.moe_ops(SPEC, HW, 3072.0, fmt, fmt, 4, routed_tokens=6144.0, routing_tokens=6144.0)
+    mid = sum(float(op.time_s) for op in rows if op.name in ("permute", "routed_experts", "expert_act"))
+    wait = _own_s(4096.0) - _own_s(2048.0) + 3 * mid
     assert math.isclose(dep["Synchronization"] * 2, wait, rel_tol=1e-9), f"waited {dep['Synchronization'] * 2}, {wait}"
 
 
