@@ -99,7 +99,6 @@ class Deployment:
         return min(weight_format(self.weight_dtype).act_bytes, ACT_BYTES)
 
 
-
 def formats(deploy: Deployment) -> tuple[WeightFormat, WeightFormat]:
     """(expert format, dense format) of a deployment."""
     fmt = weight_format(deploy.weight_dtype)

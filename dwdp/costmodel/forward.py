@@ -13,8 +13,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from .calibration import IDEAL, OTHERS, Calibration, load_calibration
 from .deployment import Deployment, ForwardShape, Workload, formats, workload_shape
 from .formats import ACT_BYTES

@@ -132,6 +132,3 @@ def preset_source(name: str) -> str:
 @lru_cache(maxsize=None)
 def load_model(name: str) -> ModelSpec:
     return ModelSpec.from_config(preset_config(name), name=name)
-
-
-# ---------------------------------------------------------------------------------------------
