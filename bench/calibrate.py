@@ -55,7 +55,7 @@ def dep_row(cal: cm.Calibration, cfg: SimConfig = TABLE1_SETTING) -> dict:
     return {k: 1e3 * v for k, v in row.items()}
 
 
-def solve(cal: cm.Calibration, name: str, rounds: int = 40) -> cm.Calibration:
+def solve(cal: cm.Calibration, name: str, rounds: int = 20) -> cm.Calibration:
     """Bisect constant `name` until its category matches Table 1."""
     category, rising = FITS[name]
     low, high = BOUNDS.get(name, (1e-3, 1.0))
