@@ -1,7 +1,10 @@
-"""Roofline prediction of DWDP vs DEP per MoE layer, swept over ISL or max-num-tokens.
+"""Calibrated roofline prediction of DWDP vs DEP per MoE layer, swept over ISL or max-num-tokens
+(an analytic prediction computed on the CPU, no imbalance and no contention: bench/simulate.py adds both).
 
-Prints one table per hardware preset and a crossover summary last; writes
-bench/results/roofline_<model>_<hw>.json and .png. Deterministic (no randomness).
+Every operator costs max(FLOPs / (peak x efficiency), bytes / (HBM x memory efficiency)) with the
+efficiencies of dwdp/data/calibration.json (--ideal: datasheet peaks); DWDP's forward walks the copy
+timeline with the copies' interference (dwdp.costmodel.timeline). Prints one table per hardware preset
+and a crossover summary last; writes bench/results/roofline_<model>_<hw>.json and .png. Deterministic.
 """
 from __future__ import annotations
 
@@ -20,7 +23,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ISLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 MNTS = (2048, 4096, 8192, 16384, 32768, 65536)
 COLUMNS = ("isl", "max_num_tokens", "t_compute_ms", "t_prefetch_ms", "t_all2all_ms", "remote_gb_per_layer",
-           "ratio", "speedup", "dwdp_weight_gb", "dwdp_fits")
+           "ratio", "compute_slowdown", "speedup", "dwdp_weight_gb", "dwdp_fits")
 
 
 def default_dtype(hw: cm.Hardware) -> str:
@@ -28,19 +31,17 @@ def default_dtype(hw: cm.Hardware) -> str:
     return "nvfp4" if hw.peak_flops.get("fp4") else "fp8"
 
 
-def sweep(spec, hw, deploy, args) -> list[cm.Prediction]:
+def sweep(spec, hw, deploy, args, cal) -> list[cm.Prediction]:
     if args.sweep == "isl":
-        return [cm.predict(spec, hw, cm.Workload(isl, args.max_num_tokens, args.batch), deploy) for isl in args.values]
-    return [cm.predict(spec, hw, cm.Workload(args.isl, mnt, args.batch), deploy) for mnt in args.values]
+        return [cm.predict(spec, hw, cm.Workload(isl, args.max_num_tokens, args.batch), deploy, cal)
+                for isl in args.values]
+    return [cm.predict(spec, hw, cm.Workload(args.isl, mnt, args.batch), deploy, cal) for mnt in args.values]
 
 
-def crossover_mnt(spec, hw, deploy, isl, batch) -> int | None:
-    """Smallest power-of-two max-num-tokens (up to 2^20) whose windows hide every prefetch."""
+def crossover_mnt(spec, hw, deploy, isl, batch, cal) -> int | None:
+    """Smallest power-of-two max-num-tokens (up to 2^20) at which no prefetch is exposed."""
     for e in range(8, 21):
-        w = cm.Workload(isl, 1 << e, batch)
-        layers = cm.layer_costs(spec, hw, w, deploy)
-        windows = cm.prefetch_windows([float(l.attn_s) for l in layers], [float(l.mlp_s) for l in layers], spec.is_moe)
-        if min(windows) >= cm.prefetch_time(spec, hw, deploy):
+        if cm.prefetch_hidden(spec, hw, cm.Workload(isl, 1 << e, batch), deploy, cal):
             return 1 << e
     return None
 
@@ -58,7 +59,7 @@ def plot(path: Path, preds, args, title: str, crossover) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(x, [1e3 * p.t_compute for p in preds], "o-", label="T_compute (DWDP, per MoE layer)")
     ax.plot(x, [1e3 * (p.t_compute_dep + p.t_all2all) for p in preds], "s-", label="DEP: T_compute + T_all2all")
-    ax.plot(x, [1e3 * p.t_prefetch for p in preds], "--", label="T_prefetch (uncontended)")
+    ax.plot(x, [1e3 * p.t_prefetch for p in preds], "--", label="T_prefetch (copy engine, uncontended)")
     if crossover is not None:
         ax.axvline(crossover, color="grey", lw=0.8, ls=":", label=f"crossover {args.sweep} = {crossover}")
     ax.set_xscale("log", base=2)
@@ -85,7 +86,9 @@ def main() -> None:
     p.add_argument("--max-num-tokens", type=int, default=8192, help="fixed budget for --sweep isl")
     p.add_argument("--batch", type=int, default=None, help="prompts per forward; default: budget always full")
     p.add_argument("--values", type=int, nargs="+", default=None)
+    p.add_argument("--ideal", action="store_true", help="datasheet peaks, no interference (the plain roofline)")
     args = p.parse_args()
+    cal = cm.IDEAL if args.ideal else cm.load_calibration()
     args.values = args.values or (ISLS if args.sweep == "isl" else MNTS)
     RESULTS.mkdir(parents=True, exist_ok=True)
     spec = cm.load_model(args.model)
@@ -94,11 +97,11 @@ def main() -> None:
         hw = cm.load_hardware(hw_name)
         dtype = default_dtype(hw) if args.dtype == "auto" else args.dtype
         deploy = cm.Deployment(args.group_size, args.num_local_experts, dtype)
-        preds = sweep(spec, hw, deploy, args)
+        preds = sweep(spec, hw, deploy, args, cal)
         if args.sweep == "isl":
-            crossover = cm.crossover_isl(spec, hw, deploy, args.max_num_tokens, args.batch)
+            crossover = cm.crossover_isl(spec, hw, deploy, args.max_num_tokens, args.batch, cal=cal)
         else:
-            crossover = crossover_mnt(spec, hw, deploy, args.isl, args.batch)
+            crossover = crossover_mnt(spec, hw, deploy, args.isl, args.batch, cal)
         first = preds[0]
         title = (f"{args.model} on {hw_name}, {dtype} (experts at {first.expert_compute_dtype}), "
                  f"G={args.group_size}, L={first.num_local_experts}")
@@ -109,6 +112,7 @@ def main() -> None:
             "weight_dtype": dtype, "expert_compute_dtype": first.expert_compute_dtype,
             "group_size": args.group_size, "num_local_experts": first.num_local_experts,
             "sweep": args.sweep, "batch": args.batch, f"crossover_{args.sweep}": crossover,
+            "calibration": "ideal" if args.ideal else {k: getattr(cal, k) for k in cm.calibration_sources()},
             "rows": [pred.row() for pred in preds],
         }, indent=2) + "\n")
         print(f"\n{title}  (per MoE layer; batch={args.batch or 'full budget'})")
@@ -117,7 +121,9 @@ def main() -> None:
             print(fmt_row(pred.row()))
         summary.append((hw_name, dtype, first.expert_compute_dtype, first.t_prefetch, crossover))
     fixed = f"max_num_tokens={args.max_num_tokens}" if args.sweep == "isl" else f"isl={args.isl}"
-    print(f"\nCrossover ({args.model}, G={args.group_size}, {fixed}): smallest {args.sweep} where every prefetch hides")
+    model = "plain roofline" if args.ideal else "calibrated model"
+    print(f"\nCrossover ({args.model}, G={args.group_size}, {fixed}, {model}, analytic): smallest {args.sweep} "
+          f"where every prefetch hides")
     print(f"{'hardware':>12} {'dtype':>6} {'gemm':>5} {'T_pf_ms':>8} {'crossover':>10}")
     for hw_name, dtype, gemm, t_pf, crossover in summary:
         print(f"{hw_name:>12} {dtype:>6} {gemm:>5} {1e3 * t_pf:>8.3f} {str(crossover):>10}")

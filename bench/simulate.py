@@ -1,11 +1,22 @@
-"""Predicted DWDP-vs-DEP throughput over many forwards, against per-rank imbalance (CV of per-rank
-tokens) and max-num-tokens, with prefetch exposure taken from the contention simulation.
+"""Predicted DWDP-vs-DEP throughput per GPU from the calibrated cost model (an analytic prediction,
+computed on the CPU; nothing is measured here).
 
-Writes bench/results/simulate_<model>_<hw>_g<G>.json and .png; prints the speedup table last. Seeded.
+For every combination of --group-size, --isl, --isl-ratio (or --isl-std), --mnts and --cvs, each rank
+packs drawn prompts into forwards of at most max-num-tokens (dwdp.packing) and both schemes run the
+same forwards (dwdp.simulate): DEP waits at every MoE layer for the slowest rank, DWDP runs each
+rank alone with its copies' interference. --cvs overrides the per-rank spread packing gives.
+--breakdown prints, per setting, the per-forward breakdown in the DWDP paper's categories for DEP
+and three DWDP variants: the paper's baseline (merge copy, one copy per expert), without the merge
+copy, and without it on dwdp's sliced copy plan.
+
+Prints the constants and their sources first and the speedup table last; writes
+bench/results/simulate_<model>_<hw>_<dtype>_cpu.json and .png. Seeded.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import json
 import time
 from pathlib import Path
@@ -16,85 +27,120 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dwdp import costmodel as cm  # noqa: E402
-from dwdp.contention import PullConfig  # noqa: E402
-from dwdp.simulate import SimConfig, measure_exposure, simulate  # noqa: E402
+from dwdp.simulate import ROWS, SimConfig, simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
+VARIANTS = (("DWDP merge+mono", "monolithic", True), ("DWDP mono", "monolithic", False), ("DWDP sliced", "tdm", False))
+INTERFERENCE_FIELDS = ("power_limit_w", "idle_power_fraction", "compute_power_fraction", "copy_power_fraction",
+                       "copy_power_traffic_tb_s", "copy_power_w_per_tb_s", "copy_engine_efficiency", "hbm_tb_s",
+                       "nvlink_gb_s")
+
+
+def print_constants(hw_name: str) -> dict:
+    """Every constant the prediction uses beyond model shapes and peaks, with its source."""
+    cal, sources = cm.load_calibration(), cm.calibration_sources()
+    hw_sources = cm.hardware_sources(hw_name)
+    print("Calibration constants (dwdp/data/calibration.json):")
+    for name, source in sources.items():
+        print(f"  {name:>22} = {getattr(cal, name):<8.4g} {source}")
+    print(f"Hardware figures for {hw_name} (dwdp/data/hardware.json):")
+    data = cm.data.load_json("hardware.json")[hw_name]
+    out = {"calibration": {k: {"value": getattr(cal, k), "source": s} for k, s in sources.items()}, "hardware": {}}
+    for name in INTERFERENCE_FIELDS:
+        if name in data:
+            print(f"  {name:>22} = {data[name]['value']:<8} {hw_sources[name]}")
+            out["hardware"][name] = data[name]
+    return out
+
+
+def print_breakdown(cfg: SimConfig, dep: dict, variants: dict) -> None:
+    mix = f"std {cfg.isl_std:g}" if cfg.isl_std is not None else f"ratio {cfg.isl_ratio:g}"
+    cv = "from packing" if cfg.cv is None else f"{cfg.cv:g}"
+    print(f"\nBreakdown per forward, ms (analytic): G={cfg.group_size} ISL={cfg.isl} {mix} MNT={cfg.max_num_tokens} "
+          f"CV={cv}; P2P copy overlaps and is not in Iteration")
+    names = ["DEP"] + list(variants)
+    print(f"{'category':>16} " + " ".join(f"{n:>16}" for n in names))
+    for row in ROWS:
+        cells = [dep[row]] + [v.dwdp[row] for v in variants.values()]
+        print(f"{row:>16} " + " ".join(f"{1e3 * c:>16.2f}" for c in cells))
+    print(f"{'speedup':>16} {'':>16} " + " ".join(f"{v.speedup:>16.3f}" for v in variants.values()))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="DeepSeek-R1", choices=cm.model_names())
     p.add_argument("--hw", default="GB200-NVL72", choices=cm.hardware_names())
     p.add_argument("--dtype", default="nvfp4", choices=tuple(cm.FORMATS))
-    p.add_argument("--group-size", type=int, default=4)
+    p.add_argument("--group-size", type=int, nargs="+", default=[4])
     p.add_argument("--num-local-experts", type=int, default=None)
-    p.add_argument("--isl", type=int, default=8192)
-    p.add_argument("--cvs", type=float, nargs="+", default=[0.0, 0.1, 0.2, 0.3, 0.4])
-    p.add_argument("--mnts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--iterations", type=int, default=300)
+    p.add_argument("--isl", type=int, nargs="+", default=[8192], help="longest prompt (uniform) or mean (--isl-std)")
+    p.add_argument("--isl-ratio", type=float, nargs="+", default=[0.8],
+                   help="prompt lengths uniform in [ratio * isl, isl]")
+    p.add_argument("--isl-std", type=float, nargs="+", default=None,
+                   help="prompt lengths normal around isl with this standard deviation (replaces --isl-ratio)")
+    p.add_argument("--mnts", type=int, nargs="+", default=[16384, 32768], help="max-num-tokens per forward")
+    p.add_argument("--cvs", type=float, nargs="+", default=None,
+                   help="override the per-rank token CV (default: the spread packing gives)")
+    p.add_argument("--iterations", type=int, default=200)
     p.add_argument("--plan", choices=("tdm", "monolithic", "none"), default="tdm",
-                   help="prefetch plan simulated for the exposure curve; none = uncontended")
+                   help="DWDP copy plan in the speedup table (contention stretch simulated)")
+    p.add_argument("--merge-copy", action="store_true", help="DWDP merges local and pulled experts (paper baseline)")
     p.add_argument("--slice-mib", type=int, default=1)
     p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--breakdown", action="store_true", help="print the per-category breakdown of every setting")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    constants = print_constants(args.hw)
 
-    spec, hw = cm.load_model(args.model), cm.load_hardware(args.hw)
-    curve = None
-    if args.plan != "none":
-        base = PullConfig(args.group_size, spec.num_experts, spec.expert_nbytes(cm.weight_format(args.dtype)),
-                          hw.link_bytes_per_s, mode=args.plan, slice_bytes=args.slice_mib << 20,
-                          inflight=1 if args.plan == "monolithic" else args.inflight,
-                          num_local_experts=args.num_local_experts, num_layers=5, seed=args.seed)
-        curve = measure_exposure(base)
-        print("Exposure curve from the contention simulation (mean exposed / T_prefetch per MoE layer):")
-        print("  window/T_prefetch " + " ".join(f"{r:>6.2f}" for r in curve.ratios))
-        print("  exposed/T_prefetch" + " ".join(f"{e:>7.3f}" for e in curve.exposed))
+    mixes = [("std", s) for s in args.isl_std] if args.isl_std else [("ratio", r) for r in args.isl_ratio]
+    rows, breakdowns = [], []
+    for g, isl, (kind, spread), mnt, cv in itertools.product(args.group_size, args.isl, mixes, args.mnts,
+                                                             args.cvs or [None]):
+        cfg = SimConfig(args.model, args.hw, g, args.dtype, isl, spread if kind == "ratio" else 1.0,
+                        spread if kind == "std" else None, mnt, cv, args.iterations, args.num_local_experts,
+                        plan=args.plan, slice_bytes=args.slice_mib << 20, inflight=args.inflight,
+                        merge_copy=args.merge_copy, seed=args.seed)
+        result = simulate(cfg)
+        rows.append(result.row())
+        if args.breakdown:
+            variants = {name: simulate(dataclasses.replace(cfg, plan=plan, merge_copy=merge))
+                        for name, plan, merge in VARIANTS}
+            print_breakdown(cfg, result.dep, variants)
+            breakdowns.append({"setting": result.row(), "DEP": result.dep,
+                               **{name: v.dwdp for name, v in variants.items()}})
 
-    rows = []
-    for mnt in args.mnts:
-        for cv in args.cvs:
-            cfg = SimConfig(args.model, args.hw, args.group_size, args.dtype, args.isl, mnt, cv,
-                            args.iterations, args.num_local_experts, args.seed)
-            rows.append(simulate(cfg, curve).row())
-
+    stem = f"simulate_{args.model}_{args.hw}_{args.dtype}_cpu"
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    for mnt in args.mnts:
-        sel = [r for r in rows if r["max_num_tokens"] == mnt]
-        ax.plot([r["cv"] for r in sel], [r["speedup"] for r in sel], "o-", label=f"max_num_tokens={mnt}")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xlabel("CV of per-rank tokens")
-    ax.set_ylabel("DWDP / DEP throughput")
-    ax.set_title(f"{args.model} {args.dtype} on {args.hw}, G={args.group_size}, ISL={args.isl}, plan={args.plan}",
-                 fontsize=9)
-    ax.legend(fontsize=8)
+    labels = [f"G{r['group_size']} isl{r['isl']} {r['isl_std'] if r['isl_std'] is not None else r['isl_ratio']} "
+              f"mnt{r['max_num_tokens']}" + ("" if r["cv"] is None else f" cv{r['cv']}") for r in rows]
+    ax.barh(range(len(rows)), [r["speedup"] for r in rows])
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(rows)), labels, fontsize=6)
+    ax.set_xlabel("predicted DWDP / DEP tokens per second per GPU")
+    ax.set_title(f"{args.model} {args.dtype} on {args.hw}, plan={args.plan} (analytic prediction)", fontsize=9)
     fig.tight_layout()
-    stem = f"simulate_{args.model}_{args.hw}_g{args.group_size}"
     fig.savefig(RESULTS / f"{stem}.png", dpi=120)
     plt.close(fig)
     (RESULTS / f"{stem}.json").write_text(json.dumps({
-        "model": args.model, "hardware": args.hw, "weight_dtype": args.dtype, "group_size": args.group_size,
-        "isl": args.isl, "iterations": args.iterations, "seed": args.seed, "plan": args.plan,
-        "slice_mib": args.slice_mib, "inflight": args.inflight,
-        "exposure_curve": None if curve is None else {"ratios": curve.ratios, "exposed": curve.exposed},
-        "rows": rows,
+        "what": "analytic prediction from the calibrated cost model, computed on the CPU (nothing measured)",
+        "model": args.model, "model_source": cm.preset_source(args.model), "hardware": args.hw,
+        "weight_dtype": args.dtype, "iterations": args.iterations, "seed": args.seed, "plan": args.plan,
+        "merge_copy": args.merge_copy, "constants": constants, "rows": rows, "breakdowns": breakdowns,
     }, indent=2) + "\n")
 
-    print(f"\nDetail at each max_num_tokens (CV = {args.cvs[len(args.cvs) // 2]}):")
-    print(f"{'mnt':>7} {'speedup':>8} {'dep_wait':>9} {'dep_a2a':>8} {'dwdp_exp':>9}")
+    print(f"\nPredicted DWDP/DEP tokens/s per GPU (analytic, not measured): {args.model} {args.dtype} on {args.hw}, "
+          f"plan={args.plan}{', merge copy' if args.merge_copy else ''}, {args.iterations} forwards per rank")
+    print(f"{'G':>3} {'isl':>6} {'mix':>11} {'mnt':>6} {'cv':>5} {'tok/fwd':>8} {'tok_cv':>6} {'speedup':>8} "
+          f"{'dep_sync':>8} {'dep_a2a':>8} {'dwdp_wait':>9} {'interf':>7} {'stretch':>7} {'fits':>5}")
     for r in rows:
-        if r["cv"] == args.cvs[len(args.cvs) // 2]:
-            print(f"{r['max_num_tokens']:>7} {r['speedup']:>8.3f} {r['dep_wait_frac']:>9.3f} "
-                  f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_exposed_frac']:>9.3f}")
-    print(f"\nPredicted DWDP/DEP throughput: {args.model} {args.dtype} on {args.hw}, G={args.group_size}, "
-          f"ISL={args.isl}, {args.iterations} forwards, plan={args.plan}")
-    print(f"{'CV':>5} " + " ".join(f"{'mnt=' + str(m):>10}" for m in args.mnts))
-    for cv in args.cvs:
-        speed = {r["max_num_tokens"]: r["speedup"] for r in rows if r["cv"] == cv}
-        print(f"{cv:>5.2f} " + " ".join(f"{speed[m]:>10.3f}" for m in args.mnts))
+        mix = f"std {r['isl_std']:g}" if r["isl_std"] is not None else f"ratio {r['isl_ratio']:g}"
+        cv = "-" if r["cv"] is None else f"{r['cv']:.2f}"
+        print(f"{r['group_size']:>3} {r['isl']:>6} {mix:>11} {r['max_num_tokens']:>6} {cv:>5} "
+              f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['dep_sync_frac']:>8.3f} "
+              f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_wait_frac']:>9.3f} {r['dwdp_interference_frac']:>7.3f} "
+              f"{r['stretch']:>7.3f} {str(r['dwdp_fits']):>5}")
     print(f"({time.perf_counter() - start:.1f} s)")
 
 

@@ -6,7 +6,9 @@ Two measurements, both on this machine with the backend the model would use (hos
     path itself, not contention between ranks);
   * compute time of one MoE decoder layer at `max_num_tokens`, as the difference between a model
     with k + 2 and k + 1 decoder layers (k = leading dense layers), random weights.
-Then, per layer, T_prefetch(L) = (E - L) * expert_bytes / bandwidth against T_compute.
+Then, per layer, T_prefetch(L) = (E - L) * expert_bytes / bandwidth, and the cost model's timeline
+(dwdp.costmodel.timeline: copies issued when a buffer is released, one copy engine) says whether a
+forward of identical layers of T_compute each waits for it.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .config import DWDPConfig
+from .costmodel.timeline import uniform_layers_wait
 from .placement import build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
 from .timing import time_fn
@@ -136,7 +139,8 @@ def recommend(num_experts: int, expert_bytes: int, num_moe_layers: int, group_si
             f"even num_local_experts={lowest} needs {resident(lowest, 2) / 2**30:.2f} GiB per rank, over the "
             f"budget of {memory_budget / 2**30:.2f} GiB: use a larger group or a larger budget"
         )
-    hides = [n for n in fitting if (num_experts - n) * expert_bytes / bandwidth <= t_compute_s]
+    hides = [n for n in fitting
+             if uniform_layers_wait(t_compute_s, (num_experts - n) * expert_bytes / bandwidth, num_moe_layers) <= 0]
     local = hides[0] if hides else fitting[-1]
     t_prefetch = (num_experts - local) * expert_bytes / bandwidth
     buffers = 2
