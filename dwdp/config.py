@@ -8,6 +8,7 @@ from pathlib import Path
 
 BACKENDS = ("auto", "host", "cuda")
 EXPERTS_KERNELS = ("auto", "reference", "triton")
+EXPERT_BIASES = ("auto", "replicate", "move")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -32,6 +33,9 @@ class DWDPConfig:
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
     experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
         GEMM, local experts first), or "auto": triton for CUDA models, reference otherwise.
+    expert_biases: where experts' biases live: "replicate" (every rank keeps all of them, nothing to
+        copy), "move" (with their expert, like its weights), or "auto": replicate when a layer's biases
+        of all experts take no more bytes than one expert's weights (dwdp.model.place_biases).
     """
 
     group_size: int | None = None
@@ -42,6 +46,7 @@ class DWDPConfig:
     wait_timeout_s: float = 60.0
     inflight: int = 2
     experts_kernel: str = "auto"
+    expert_biases: str = "auto"
 
     def __post_init__(self):
         if self.group_size is not None:
@@ -55,6 +60,8 @@ class DWDPConfig:
             raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
         if self.experts_kernel not in EXPERTS_KERNELS:
             raise ValueError(f"experts_kernel={self.experts_kernel!r} is not one of {EXPERTS_KERNELS}")
+        if self.expert_biases not in EXPERT_BIASES:
+            raise ValueError(f"expert_biases={self.expert_biases!r} is not one of {EXPERT_BIASES}")
         timeout = self.wait_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
             raise ValueError(f"wait_timeout_s={timeout!r} must be a finite number of seconds > 0")
