@@ -63,6 +63,17 @@ def expert_mlp(
     return y if math.post_norm is None else math.post_norm(y)
 
 
+def plain_routing_layers(layers: list, who: str) -> list:
+    """`layers` (dwdp.adapters.ExpertsLayer) when every one routes plainly: ids in [0, E), weights on
+    the output. The baselines sort pairs by expert id and weight outputs; ValueError otherwise."""
+    for layer in layers:
+        math = layer.spec.math
+        if math.num_identity_experts or math.weights_on_input:
+            what = "identity experts" if math.num_identity_experts else "routing weights on the input"
+            raise ValueError(f"{who} does not handle {layer.name} ({type(layer.module).__name__}): it has {what}")
+    return layers
+
+
 def combine(
     y_sorted: torch.Tensor, perm: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:

@@ -134,6 +134,12 @@ class ExpertsSpec:
         raise KeyError(f"no expert tensor named {name!r}; this layer has {[t.name for t in self.tensors]}")
 
     @property
+    def hidden_size(self) -> int:
+        """H: the features an expert reads and writes."""
+        first = self.tensor(self.math.first[0])
+        return first.shape[0] if first.name in self.math.transposed else first.shape[1]
+
+    @property
     def moving(self) -> tuple[ExpertTensor, ...]:
         """The tensors that live with their expert's owners and are copied to the other ranks."""
         return tuple(t for t in self.tensors if t.moves)

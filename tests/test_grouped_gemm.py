@@ -274,19 +274,24 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from dwdp.kernels.grouped_gemm import _grouped_gemm_kernel as kernel
 
-swiglu = sys.argv[1] == "swiglu"
-signature = {"a_ptr": "*bf16", "w_table_ptr": "*i64", "offsets_ptr": "*i64", "slots_ptr": "*i64",
-             "scale_ptr": "*fp32", "out_ptr": "*bf16", "num_experts": "i32", "N_OUT": "i32", "K": "i32",
-             "top_k": "i32", "split_at": "i32", "n_tiles_partner": "i32", "wave_size": "i32", "stride_am": "i32",
-             "stride_ak": "constexpr", "stride_wn": "i32", "stride_wk": "constexpr", "stride_om": "i32",
-             "stride_on": "constexpr"}
-constants = dict(stride_ak=1, stride_wk=1, stride_on=1, PART=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_E=256,
+variant = sys.argv[1]
+swiglu = variant != "plain"
+transposed = variant == "transposed_bias"  # weights stored [K, N] (gpt-oss, Llama 4), biases
+signature = {"a_ptr": "*bf16", "w_table_ptr": "*i64", "bias_table_ptr": "*i64", "offsets_ptr": "*i64",
+             "slots_ptr": "*i64", "scale_ptr": "*fp32", "out_ptr": "*bf16", "num_experts": "i32", "N_OUT": "i32",
+             "K": "i32", "top_k": "i32", "split_at": "i32", "n_tiles_partner": "i32", "wave_size": "i32",
+             "stride_am": "i32", "stride_ak": "constexpr", "stride_wn": "constexpr" if transposed else "i32",
+             "stride_wk": "i32" if transposed else "constexpr", "stride_om": "i32", "stride_on": "constexpr",
+             "alpha": "fp32", "limit": "fp32", "up_offset": "fp32"}
+constants = dict(stride_ak=1, stride_on=1, PART=1, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, BLOCK_E=256,
                  HAS_SLOTS=swiglu, GATHER_A=swiglu, HAS_SCALE=False, SCATTER_OUT=False, ATOMIC_OUT=False,
-                 SWIGLU=swiglu, FP32_DOT=False)
+                 HAS_BIAS=transposed, GATED=swiglu, INTERLEAVED=False, ACTIVATION=1 if swiglu else 0,
+                 CLAMP=transposed, FP32_DOT=False)
+constants["stride_wn" if transposed else "stride_wk"] = 1
 signature.update({name: "constexpr" for name in constants})
 # What a real launch specialises on: 16-divisible pointers, sizes and strides.
 divisible = ["a_ptr", "w_table_ptr", "offsets_ptr", "slots_ptr", "scale_ptr", "out_ptr", "N_OUT", "K",
-             "stride_am", "stride_wn", "stride_om"]
+             "stride_am", "stride_wk" if transposed else "stride_wn", "stride_om"]
 source = ASTSource(
     fn=kernel, signature=signature,
     constexprs={(kernel.arg_names.index(n),): v for n, v in constants.items()},
@@ -302,7 +307,7 @@ print(json.dumps({
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("variant", ["plain", "swiglu"])
+@pytest.mark.parametrize("variant", ["plain", "swiglu", "transposed_bias"])
 def test_compiles_for_hopper_with_16_byte_loads_and_wgmma(variant):
     """Regression guard for the weight-table path: without the alignment hint on the loaded base
     address Triton falls back to 2-byte scalar loads and no cp.async pipeline. Compiled for sm_90
@@ -313,5 +318,7 @@ def test_compiles_for_hopper_with_16_byte_loads_and_wgmma(variant):
     done = subprocess.run([sys.executable, "-c", _HOPPER_COMPILE, variant], env=env, capture_output=True, text=True)
     assert done.returncode == 0, f"sm_90 compile failed:\n{done.stderr[-3000:]}"
     counts = json.loads(done.stdout.strip().splitlines()[-1])
-    assert counts["async_16"] > 0 and counts["scalar_16"] == 0, f"loads in sm_90 PTX: {counts}"
+    # The only scalar loads allowed are the epilogue's bias rows (gate and up), once per tile.
+    bias_loads = 2 if variant == "transposed_bias" else 0
+    assert counts["async_16"] > 0 and counts["scalar_16"] == bias_loads, f"loads in sm_90 PTX: {counts}"
     assert counts["wgmma"] > 0, f"no wgmma in sm_90 PTX: {counts}"
