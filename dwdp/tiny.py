@@ -43,11 +43,11 @@ def _size_rules(hidden: int, intermediate: int, num_experts: int, top_k: int, nu
         num_experts=num_experts, num_local_experts=num_experts, n_routed_experts=num_experts,
         moe_num_experts=num_experts,
         num_experts_per_tok=top_k, moe_topk=top_k, moe_k=top_k, moe_top_k=top_k, top_k_experts=top_k,
-        enable_moe_block=True,
+        enable_moe_block=True, is_moe=True,
         n_group=1, topk_group=1, num_shared_experts=1, n_shared_experts=1, moe_num_shared_experts=1,
         first_k_dense_replace=1, num_dense_layers=1,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=vocab,
-        max_position_embeddings=1024, initializer_range=0.1, **_TOKENS,
+        initializer_range=0.1, **_TOKENS,
     )
     return rules
 
@@ -71,7 +71,8 @@ _HINTS: dict[str, dict] = {
     "deepseek_ocr2": {"text_config.mlp_layer_types": ["dense", "sparse", "sparse"]},
     "zaya": dict(num_experts_per_tok=1),  # ZAYA routes each token to one expert
     "longcat_flash": dict(zero_expert_num=2),
-    "mimo_v2_flash": dict(num_key_value_heads=2),  # its sliding-window layers use twice the KV heads
+    "mimo_v2_flash": dict(num_key_value_heads=2),
+    "diffusion_gemma": dict(canvas_length=8),  # its sliding-window layers use twice the KV heads
     "dots3_note": dict(swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_q_lora_rank=16, swa_kv_lora_rank=16,
                        swa_head_dim=16, swa_qk_nope_head_dim=8, swa_v_head_dim=8),
     "flint": dict(mlp_only_layers=[0]),

@@ -58,10 +58,19 @@ def _refuse_lookalikes(model: torch.nn.Module, layers: list[ExpertsLayer]) -> No
         return any(t == name or t.startswith(name + ".") or name.startswith(t + ".") or t.startswith(parent + ".")
                    for t in taken)
 
-    for name, module in model.named_modules():
-        if name and _LOOKS_LIKE_EXPERTS.search(type(module).__name__) and not near_taken(name):
-            if any(True for _ in module.parameters()):
-                raise _diagnose(name, module)
+    lookalikes = [
+        (name, module) for name, module in model.named_modules()
+        if name and _LOOKS_LIKE_EXPERTS.search(type(module).__name__) and not near_taken(name)
+        and any(True for _ in module.parameters())
+    ]
+    outermost = [(n, m) for n, m in lookalikes if not any(n.startswith(o + ".") for o, _ in lookalikes)]
+    if outermost:
+        name, module = outermost[0]
+        error = _diagnose(name, module)
+        others = sorted({type(m).__name__ for _, m in outermost[1:]} - {error.class_name})
+        if others:
+            error.args = (f"{error.args[0]}; also not wrapped: {', '.join(others)}",)
+        raise error
 
 
 def _diagnose(name: str, module: torch.nn.Module) -> Unsupported:
@@ -76,7 +85,10 @@ def _diagnose(name: str, module: torch.nn.Module) -> Unsupported:
                 f"{list(stacked[0][1].shape)} is driven by {type(sub).__name__}.forward({args}), not by the experts "
                 f"interface ({', '.join(STANDARD_ARGS)})",
             )
-    flat = next(((n, p) for n, p in module.named_parameters() if p.dim() == 2), None)
+    # Prefer a tensor with one row per expert: that is where the experts' weights are.
+    matrices = [(n, p) for n, p in module.named_parameters() if p.dim() == 2]
+    per_expert = [(n, p) for n, p in matrices if p.shape[0] == getattr(module, "num_experts", None)]
+    flat = (per_expert or matrices or [None])[0]
     what = f"{flat[0]} is {list(flat[1].shape)}" if flat else "no parameter is"
     return Unsupported(name, module, flat[0] if flat else "parameters",
                        f"({what}): its experts are not stacked [num_experts, out, in] weights")
