@@ -64,13 +64,16 @@ def gate_of(name: str, module: torch.nn.Module, has_gate: bool):
 
 
 def interface_spec(name: str, module: torch.nn.Module, *, has_gate: bool = True, has_bias: bool = False,
-                   is_transposed: bool = False, has_post_expert_norm: bool = False,
-                   num_experts: int | None = None, num_identity_experts: int = 0) -> ExpertsSpec:
+                   is_transposed: bool = False, has_post_expert_norm: bool = False, is_concatenated: bool = True,
+                   decorated: bool = False, num_experts: int | None = None,
+                   num_identity_experts: int = 0) -> ExpertsSpec:
     """The spec of a stacked-experts module laid out as the decorator's flags say.
 
     Weights [E, N1, H] / [E, H, I] ([E, H, N1] / [E, I, H] when transposed), N1 = 2I with a gate
     (`gate_up_proj`) and I without (`up_proj`); biases `<weight>_bias` [E, out]. num_experts: the
     real experts when the stacked tensors hold more rows (identity experts beyond them).
+    is_concatenated and decorated are recorded for reports and kernel choice: the module's own gate
+    function already reads its gate / up layout.
     """
     first = "gate_up_proj" if has_gate else "up_proj"
     up, down = _stacked(name, module, first, 3), _stacked(name, module, "down_proj", 3)
@@ -109,7 +112,8 @@ def interface_spec(name: str, module: torch.nn.Module, *, has_gate: bool = True,
         transposed=frozenset({first, "down_proj"}) if is_transposed else frozenset(), post_norm=post_norm,
         num_identity_experts=num_identity_experts, gate_label=label,
     )
-    return ExpertsSpec(num_experts, tuple(tensors), math, extras=dict(has_gate=has_gate, interleaved=False))
+    extras = dict(has_gate=has_gate, interleaved=not is_concatenated, decorated=decorated)
+    return ExpertsSpec(num_experts, tuple(tensors), math, extras=extras)
 
 
 class ExpertsInterfaceAdapter(ExpertsAdapter):
@@ -119,17 +123,13 @@ class ExpertsInterfaceAdapter(ExpertsAdapter):
 
     def spec(self, name: str, module: torch.nn.Module, model: torch.nn.Module) -> ExpertsSpec | None:
         if is_decorated(module):
-            spec = interface_spec(
+            return interface_spec(
                 name, module, has_gate=module.has_gate, has_bias=module.has_bias, is_transposed=module.is_transposed,
-                has_post_expert_norm=module.has_post_expert_norm,
+                has_post_expert_norm=module.has_post_expert_norm, is_concatenated=module.is_concatenated,
+                decorated=True,
             )
-            spec.extras["interleaved"] = not module.is_concatenated
-            spec.extras["decorated"] = True
-            return spec
         if has_standard_interface(module) and isinstance(getattr(module, "down_proj", None), torch.Tensor):
-            spec = interface_spec(name, module)
-            spec.extras["decorated"] = False
-            return spec
+            return interface_spec(name, module)
         return None
 
     def label(self, spec: ExpertsSpec) -> str:
