@@ -201,7 +201,17 @@ def build_tiny_model(family: str, *, seed: int = 0, dtype: torch.dtype = torch.f
     config = tiny_config(family, **config_kwargs)
     torch.manual_seed(seed)
     model = model_class(find_family(family))._from_config(config, dtype=dtype)
+    _randomize_zero_biases(model, seed)
     return model.eval()
+
+
+def _randomize_zero_biases(model: torch.nn.Module, seed: int) -> None:
+    """Biases start at zero in transformers' init; a zero bias would hide any mistake in its handling."""
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") and p.is_floating_point() and not p.is_meta and not p.any():
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
 
 def num_params(model: torch.nn.Module) -> int:
