@@ -102,3 +102,16 @@ def test_adapters_used(results):
     labels = {case_id: r["labels"] for case_id, r in results[0].items()}
     assert labels[_case_id(("llama4", torch.float32, "auto"))] == {"Llama 4 (router score on the input)"}, labels
     assert labels[_case_id(("dbrx", torch.float32, "auto"))] == {"DBRX (flattened w1 / v1 / w2)"}, labels
+
+
+def test_loading_does_not_import_model():
+    """dwdp.model drives dwdp.loading (DWDPModel.from_pretrained); never the other way round."""
+    import ast
+    from pathlib import Path
+
+    import dwdp.loading
+
+    tree = ast.parse(Path(dwdp.loading.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert not {m for m in imported if m in ("model", "dwdp.model") or m.endswith(".model")}, imported
