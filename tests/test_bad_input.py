@@ -138,3 +138,20 @@ def test_one_rank_in_process_matches_and_cleans_up(monkeypatch, tmp_path, mixtra
         torch.testing.assert_close(wrapped(ids).logits, reference, atol=1e-5, rtol=1e-5)
         assert wrapped.config is mixtral.config  # attributes of the model pass through
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unwrappable_experts_next_to_wrapped_ones_are_refused(mixtral):
+    """Experts dwdp cannot handle elsewhere in a layer (say, attention experts) refuse the whole model,
+    even when the layer's MLP experts could be wrapped."""
+
+    class AttentionExperts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16, 32))
+
+        def forward(self, x, expert_sizes):
+            return x
+
+    mixtral.model.layers[1].self_attn.extra = AttentionExperts()
+    with pytest.raises(Unsupported, match=r"model.layers.1.self_attn.extra \(AttentionExperts\) cannot be wrapped"):
+        DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))

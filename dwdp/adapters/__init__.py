@@ -53,10 +53,10 @@ def _refuse_lookalikes(model: torch.nn.Module, layers: list[ExpertsLayer]) -> No
     taken = [layer.name for layer in layers]
 
     def near_taken(name: str) -> bool:
-        # The module itself, something inside it, or a sibling (shared experts next to routed ones).
-        parent = name.rpartition(".")[0]
-        return any(t == name or t.startswith(name + ".") or name.startswith(t + ".") or t.startswith(parent + ".")
-                   for t in taken)
+        # Taken itself, around or inside taken experts, or in the MoE block that holds them (shared
+        # experts next to the routed ones).
+        return any(t == name or t.startswith(name + ".") or name.startswith(t + ".")
+                   or (t.rpartition(".")[0] and name.startswith(t.rpartition(".")[0] + ".")) for t in taken)
 
     lookalikes = [
         (name, module) for name, module in model.named_modules()
