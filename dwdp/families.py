@@ -1,7 +1,7 @@
 """The MoE model families of the installed transformers, discovered from transformers itself.
 
 A family is one `transformers.models.<name>` package whose modeling code defines a
-mixture-of-experts experts module (a class named `...Experts`, `...MoE` or `...MoA`), and that
+mixture-of-experts module (a class whose name contains `Experts`, `MoE` or `MoA`), and that
 either has a generation head (causal LM or image-text-to-text) or whose experts class carries
 transformers' experts-implementation decorator (the seam dwdp plugs into). A family transformers
 adds tomorrow shows up here without any change to dwdp.
@@ -83,7 +83,7 @@ def moe_families() -> tuple[Family, ...]:
     families = []
     for package, model_types in sorted(by_package.items()):
         generates = any(t in causal or t in multimodal for t in model_types)
-        source = _modeling_source(package) if generates or package else None
+        source = _modeling_source(package)
         if source is None:
             continue
         classes = tuple(_EXPERTS_CLASS.findall(source))

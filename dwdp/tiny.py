@@ -8,7 +8,6 @@ that to build at this size (a layer pattern, a ratio between two sizes).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -213,6 +212,3 @@ def _randomize_zero_biases(model: torch.nn.Module, seed: int) -> None:
             if name.endswith("bias") and p.is_floating_point() and not p.is_meta and not p.any():
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
 
-
-def num_params(model: torch.nn.Module) -> int:
-    return sum(math.prod(p.shape) for p in model.parameters())

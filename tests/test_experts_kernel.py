@@ -11,7 +11,8 @@ from dwdp.group import init_group, launch_local
 from dwdp.model import DWDPModel
 from dwdp.tiny import build_tiny_model
 
-MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor")
+MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor", "aten.clone",
+             "aten.contiguous", "aten._to_copy", "aten.copy_")
 
 
 class OpLog(TorchDispatchMode):
@@ -42,17 +43,19 @@ def _rank(rank: int) -> dict:
             reference = model(ids).logits
         with DWDPModel(model, DWDPConfig(experts_kernel="triton", **changes), group) as wrapped, torch.no_grad():
             out[family] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel)
-    model = build_tiny_model("mixtral", seed=4)
-    weight_shapes = {tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape[1:]),
-                     tuple(model.model.layers[0].mlp.experts.down_proj.shape[1:])}
-    with DWDPModel(model, DWDPConfig(experts_kernel="reference"), group) as wrapped, torch.no_grad():
-        log = OpLog()
-        with log:
-            wrapped(torch.randint(3, 128, (2, 6)))
-    merges = [(op, shapes) for op, shapes in log.ops
-              if op.startswith(MERGE_OPS) and any(s[-2:] in weight_shapes for s in shapes if len(s) >= 2)]
-    out["merge_ops"] = merges
-    out["num_ops"] = len(log.ops)
+    # Reference path: weights are read where they live, transposed ones through views, never copied.
+    out["merge_ops"], out["num_ops"] = [], 0
+    for family, changes in (("mixtral", {}), ("gpt_oss", dict(expert_biases="move"))):
+        model = build_tiny_model(family, seed=4)
+        experts = find_experts(model)[0].module
+        weight_shapes = {s for t in (experts.gate_up_proj, experts.down_proj) for s in (t.shape[1:], t.shape[1:][::-1])}
+        with DWDPModel(model, DWDPConfig(experts_kernel="reference", **changes), group) as wrapped, torch.no_grad():
+            log = OpLog()
+            with log:
+                wrapped(torch.randint(3, 128, (2, 6)))
+        out["merge_ops"] += [(family, op, shapes) for op, shapes in log.ops
+                             if op.startswith(MERGE_OPS) and any(s[-2:] in weight_shapes for s in shapes if len(s) >= 2)]
+        out["num_ops"] += len(log.ops)
     return out
 
 
