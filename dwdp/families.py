@@ -103,7 +103,8 @@ def family(name: str) -> Family:
     for f in moe_families():
         if f.name == name:
             return f
-    raise ValueError(f"family={name!r} is not an MoE family of this transformers; known: {[f.name for f in moe_families()]}")
+    known = [f.name for f in moe_families()]
+    raise ValueError(f"family={name!r} is not an MoE family of this transformers; known: {known}")
 
 
 def model_class(fam: Family):

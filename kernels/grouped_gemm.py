@@ -359,7 +359,8 @@ if triton is not None:
                 w_ptrs += BLOCK_K * stride_wk
 
             if HAS_BIAS:
-                b_base = tl.multiple_of(tl.load(bias_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
+                b_base = tl.load(bias_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty))
+                b_base = tl.multiple_of(b_base, 16)
                 acc += tl.load(b_base + w_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
                 if GATED:
                     acc_up += tl.load(b_base + up_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]

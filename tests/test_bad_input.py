@@ -66,8 +66,8 @@ def test_experts_like_module_no_adapter_takes(mixtral):
             return x
 
     mixtral.model.layers[2].mlp = OddExperts()
-    with pytest.raises(Unsupported, match=r"model.layers.2.mlp \(OddExperts\) cannot be wrapped: weight \[8, 16, 32\] is "
-                                          r"driven by OddExperts.forward\(x, expert_sizes\)"):
+    with pytest.raises(Unsupported, match=r"model.layers.2.mlp \(OddExperts\) cannot be wrapped: weight "
+                                          r"\[8, 16, 32\] is driven by OddExperts.forward\(x, expert_sizes\)"):
         DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
 
 

@@ -53,8 +53,10 @@ def _rank(rank: int) -> dict:
             log = OpLog()
             with log:
                 wrapped(torch.randint(3, 128, (2, 6)))
-        out["merge_ops"] += [(family, op, shapes) for op, shapes in log.ops
-                             if op.startswith(MERGE_OPS) and any(s[-2:] in weight_shapes for s in shapes if len(s) >= 2)]
+        out["merge_ops"] += [
+            (family, op, shapes) for op, shapes in log.ops
+            if op.startswith(MERGE_OPS) and any(s[-2:] in weight_shapes for s in shapes if len(s) >= 2)
+        ]
         out["num_ops"] += len(log.ops)
     return out
 
@@ -73,8 +75,9 @@ def test_triton_experts_path_equals_unwrapped_and_reference_path_merges_nothing(
 
 def test_explicit_triton_on_unsupported_activation_is_an_error():
     model = build_tiny_model("mixtral", seed=1, hidden_act="gelu")
-    with pytest.raises(ValueError, match=r"experts_kernel='triton' cannot run model.layers.0.mlp.experts \(MixtralExperts\): "
-                                         r"its gate \(GELUActivation\(gate\) \* up\) is none of the kernel's epilogues"):
+    with pytest.raises(ValueError, match=r"experts_kernel='triton' cannot run model.layers.0.mlp.experts "
+                                         r"\(MixtralExperts\): its gate \(GELUActivation\(gate\) \* up\) is none "
+                                         r"of the kernel's epilogues"):
         DWDPModel(model, DWDPConfig(experts_kernel="triton"), init_group())
 
 

@@ -92,7 +92,8 @@ def interface_spec(name: str, module: torch.nn.Module, *, has_gate: bool = True,
         layout = "[E, H, N1] / [E, I, H]" if is_transposed else "[E, N1, H] / [E, H, I]"
         raise Unsupported(name, module, "down_proj", f"has shape {list(down.shape)} next to {first} {list(up.shape)}; "
                                                     f"expected {layout} with N1 = {'2I' if has_gate else 'I'}")
-    tensors = [ExpertTensor(first, first, up_shape, up.dtype), ExpertTensor("down_proj", "down_proj", down_shape, down.dtype)]
+    tensors = [ExpertTensor(first, first, up_shape, up.dtype),
+               ExpertTensor("down_proj", "down_proj", down_shape, down.dtype)]
     biases: tuple[str | None, str | None] = (None, None)
     if has_bias:
         for attr, size in ((f"{first}_bias", n1), ("down_proj_bias", hidden)):
