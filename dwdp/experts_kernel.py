@@ -15,7 +15,7 @@ import itertools
 import torch
 
 from .adapters import ExpertsLayer
-from .expert_tensors import ExpertsSpec
+from .expert_tensors import ALIGN_BYTES, ExpertsSpec
 from .experts import KernelTables, LayerTables
 
 _PROBE_ROWS = 64
@@ -86,6 +86,10 @@ def kernel_blocker(layer: ExpertsLayer) -> str | None:
     dtypes = {t.dtype for t in spec.tensors}
     if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
         return f"its expert tensors have dtypes {sorted(map(str, dtypes))}"
+    unaligned = [t.name for t in spec.replicated if t.nbytes % ALIGN_BYTES]
+    if unaligned:
+        # Tensors that stay on every rank are read as rows of the module's [E, ...] tensor.
+        return f"rows of {unaligned} are not {ALIGN_BYTES}-byte aligned"
     if identify_epilogue(layer) is None:
         return f"its gate ({math.gate_label}) is none of the kernel's epilogues"
     return None
