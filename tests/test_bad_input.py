@@ -54,17 +54,19 @@ def test_expert_weights_of_the_wrong_shape(mixtral):
         DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
 
 
+class OddExperts(torch.nn.Module):
+    """Stacked [E, out, in] weights behind an interface no adapter knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16, 32))
+
+    def forward(self, x, expert_sizes):
+        return x
+
+
 def test_experts_like_module_no_adapter_takes(mixtral):
     """A module named like experts that nothing wraps is refused by name, class and attribute."""
-
-    class OddExperts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(8, 16, 32))
-
-        def forward(self, x, expert_sizes):
-            return x
-
     mixtral.model.layers[2].mlp = OddExperts()
     with pytest.raises(Unsupported, match=r"model.layers.2.mlp \(OddExperts\) cannot be wrapped: weight "
                                           r"\[8, 16, 32\] is driven by OddExperts.forward\(x, expert_sizes\)"):
@@ -143,15 +145,6 @@ def test_one_rank_in_process_matches_and_cleans_up(monkeypatch, tmp_path, mixtra
 def test_unwrappable_experts_next_to_wrapped_ones_are_refused(mixtral):
     """Experts dwdp cannot handle elsewhere in a layer (say, attention experts) refuse the whole model,
     even when the layer's MLP experts could be wrapped."""
-
-    class AttentionExperts(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(8, 16, 32))
-
-        def forward(self, x, expert_sizes):
-            return x
-
-    mixtral.model.layers[1].self_attn.extra = AttentionExperts()
-    with pytest.raises(Unsupported, match=r"model.layers.1.self_attn.extra \(AttentionExperts\) cannot be wrapped"):
+    mixtral.model.layers[1].self_attn.extra = OddExperts()
+    with pytest.raises(Unsupported, match=r"model.layers.1.self_attn.extra \(OddExperts\) cannot be wrapped"):
         DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
