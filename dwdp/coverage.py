@@ -48,7 +48,7 @@ def coverage_of(family: str, model: torch.nn.Module) -> FamilyCoverage:
         notes.append("gate/up interleaved")
     if not spec.extras.get("has_gate", True):
         notes.append("no gate")
-    if spec.replicated or any(b for b in (*math.first_bias, math.down_bias)):
+    if math.biases:
         notes.append(f"biases {'replicated' if spec.replicated else 'move with experts'}")
     if math.post_norm is not None:
         notes.append("post-expert norm")

@@ -117,6 +117,11 @@ class ExpertsMath:
     num_identity_experts: int = 0
     gate_label: str = "custom"  # what the gate is, for reports ("silu * up", "module._apply_gate", ...)
 
+    @property
+    def biases(self) -> tuple[str, ...]:
+        """Names of the bias tensors, first projection(s) then down."""
+        return tuple(b for b in (*self.first_bias, self.down_bias) if b is not None)
+
 
 @dataclass(frozen=True)
 class ExpertsSpec:

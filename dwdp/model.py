@@ -73,8 +73,7 @@ def place_biases(spec: ExpertsSpec, policy: str) -> ExpertsSpec:
     expert's weights: they then cost less memory than one more local expert, and moving them would
     add two tiny copies per remote expert. Otherwise (or with "move") they travel with their expert.
     """
-    math = spec.math
-    biases = {b for b in (*math.first_bias, math.down_bias) if b is not None}
+    biases = set(spec.math.biases)
     if not biases:
         return spec
     bias_bytes = spec.num_experts * sum(t.nbytes for t in spec.tensors if t.name in biases)
@@ -86,10 +85,9 @@ def place_biases(spec: ExpertsSpec, policy: str) -> ExpertsSpec:
 
 def _bias_report(spec: ExpertsSpec) -> str | None:
     """"replicated" or "moved with experts" for a layer with biases, None without."""
-    biases = [b for b in (*spec.math.first_bias, spec.math.down_bias) if b is not None]
-    if not biases:
+    if not spec.math.biases:
         return None
-    return "moved with experts" if spec.tensor(biases[0]).moves else "replicated"
+    return "moved with experts" if spec.tensor(spec.math.biases[0]).moves else "replicated"
 
 
 def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order: list[int]) -> LayerTables:
