@@ -174,9 +174,9 @@ def _regime(opts: dict, group) -> dict:
     """One layer's compute in a full forward against one thread copying a MoE layer's remote experts
     (the experts a rank with ceil(E / ranks) local ones pulls)."""
     model = build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"])
-    adapter, experts = find_experts(model)
-    num_experts = experts[0][1].num_experts
-    layer_bytes = sum(t.numel() * t.element_size() for t in adapter.expert_tensors(experts[0][1]))
+    experts = find_experts(model)
+    num_experts = experts[0].spec.num_experts
+    layer_bytes = num_experts * sum(t.nbytes for t in experts[0].spec.tensors)
     remote = layer_bytes * (num_experts - -(-num_experts // opts["ranks"])) // num_experts
     src, dst = torch.ones(max(remote, 1), dtype=torch.uint8), torch.empty(max(remote, 1), dtype=torch.uint8)
     copy = time_fn(lambda: dst.copy_(src), warmup=2, repeats=5)

@@ -25,6 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up on a rank")
     demo.add_argument("--trace", metavar="DIR", help="write each rank's trace_rank{r}.json into DIR")
     demo.add_argument("--json", metavar="PATH", help="also write the table, the machine and its load average to PATH")
+    demo.add_argument("--family", default="deepseek_v3",
+                      help="MoE family of the tiny model (a transformers.models package; `dwdp families` lists them)")
+    families = sub.add_parser("families", help="the MoE families of the installed transformers and how dwdp wraps each")
+    families.add_argument("--markdown", action="store_true", help="print the README's family block")
     tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
     source = tune.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH", help="local model directory (its config.json; random weights)")
@@ -100,8 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from .demo import run_demo
 
+        from .families import family
+
+        try:
+            family(args.family)
+        except ValueError as exc:
+            raise SystemExit(f"dwdp demo: --{exc}") from None
         return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
-                        args.trace, args.json)
+                        args.trace, args.json, args.family)
+    if args.command == "families":
+        from .coverage import README_BEGIN, README_END, all_families, markdown
+
+        rows = all_families()
+        if args.markdown:
+            print(f"{README_BEGIN}\n{markdown(rows)}\n{README_END}")
+        else:
+            for r in rows:
+                print(f"{r.family:24s} {'wraps' if r.wraps else 'refused':8s} {r.path if r.wraps else r.reason}")
+        return 0
     if args.command == "tune":
         return _tune(args)
     if args.command == "serve":

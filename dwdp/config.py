@@ -10,6 +10,7 @@ BACKENDS = ("auto", "host", "cuda")
 EXPERTS_KERNELS = ("auto", "reference", "triton")
 CUDA_COPIES = ("batch", "memcpy")
 CUDA_MAPPINGS = ("auto", "ipc", "symmetric_memory")
+EXPERT_BIASES = ("auto", "replicate", "move")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -41,6 +42,9 @@ class DWDPConfig:
     cuda_mapping: how the cuda backend maps peers' segments: "ipc" (CUDA IPC, one node),
         "symmetric_memory" (torch.distributed._symmetric_memory, multi-node NVLink) or "auto":
         ipc when every rank of the group is on this host.
+    expert_biases: where experts' biases live: "replicate" (every rank keeps all of them, nothing to
+        copy), "move" (with their expert, like its weights), or "auto": replicate when a layer's biases
+        of all experts take no more bytes than one expert's weights (dwdp.model.place_biases).
     """
 
     group_size: int | None = None
@@ -54,6 +58,7 @@ class DWDPConfig:
     cuda_copy: str = "batch"
     copy_batches: int = 4
     cuda_mapping: str = "auto"
+    expert_biases: str = "auto"
 
     def __post_init__(self):
         if self.group_size is not None:
@@ -72,6 +77,8 @@ class DWDPConfig:
         _check_int("copy_batches", self.copy_batches, 1, 1024)
         if self.cuda_mapping not in CUDA_MAPPINGS:
             raise ValueError(f"cuda_mapping={self.cuda_mapping!r} is not one of {CUDA_MAPPINGS}")
+        if self.expert_biases not in EXPERT_BIASES:
+            raise ValueError(f"expert_biases={self.expert_biases!r} is not one of {EXPERT_BIASES}")
         timeout = self.wait_timeout_s
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
             raise ValueError(f"wait_timeout_s={timeout!r} must be a finite number of seconds > 0")

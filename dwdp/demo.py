@@ -1,5 +1,5 @@
-"""`dwdp demo`: a local DWDP group on a tiny random DeepSeek-V3-style model, checked against the
-unwrapped model on every rank."""
+"""`dwdp demo`: a local DWDP group on a tiny random MoE model (DeepSeek-V3-style by default, any
+family with --family), checked against the unwrapped model on every rank."""
 from __future__ import annotations
 
 import json
@@ -35,10 +35,10 @@ def rank_prompts(rank: int, seed: int, num_prompts: int, max_len: int, vocab: in
 
 
 def _demo_rank(rank: int, opts: dict) -> dict:
-    model = build_tiny_model("deepseek_v3", seed=opts["seed"], **DEMO_MODEL)
+    model = build_tiny_model(opts["family"], seed=opts["seed"], **DEMO_MODEL)
     ids, mask, num_tokens = rank_prompts(rank, opts["seed"], opts["prompts"], opts["max_len"], DEMO_MODEL["vocab"])
     with torch.no_grad():
-        reference = model(input_ids=ids, attention_mask=mask).logits  # [P, Tmax, V]
+        reference = _logits(model(input_ids=ids, attention_mask=mask))  # [P, Tmax, V]
     config = DWDPConfig(slice_bytes=opts["slice_bytes"], backend="host")
     from .model import DWDPModel
 
@@ -47,7 +47,7 @@ def _demo_rank(rank: int, opts: dict) -> dict:
         wrapped.stats.reset()
         start = time.perf_counter()
         for _ in range(opts["repeats"]):
-            logits = wrapped(input_ids=ids, attention_mask=mask).logits
+            logits = _logits(wrapped(input_ids=ids, attention_mask=mask))
         elapsed = time.perf_counter() - start
         stats, memory = wrapped.stats, wrapped.memory
     real = mask.bool()
@@ -60,6 +60,11 @@ def _demo_rank(rank: int, opts: dict) -> dict:
         "bytes_prefetched": stats.bytes_copied // opts["repeats"], "wait_ms": 1e3 * stats.wait_s / opts["repeats"],
         "max_abs_diff": diff, "ok": diff <= ATOL + RTOL * scale,
     }
+
+
+def _logits(output) -> torch.Tensor:
+    """The model's logits (a base model without a head: its last hidden state)."""
+    return output.logits if getattr(output, "logits", None) is not None else output[0]
 
 
 def format_table(rows: list[dict]) -> str:
@@ -82,16 +87,19 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int = 1 << 20, repeats: int = 3,
-             seed: int = 0, timeout_s: float = 300.0, trace: str | None = None, json_path: str | None = None) -> int:
+             seed: int = 0, timeout_s: float = 300.0, trace: str | None = None, json_path: str | None = None,
+             family: str = "deepseek_v3") -> int:
     """Run the demo on `ranks` local processes, print the per-rank table; returns the exit code.
 
     trace: a directory that receives one trace_rank{r}.json per rank.
     json_path: also write the per-rank figures, the machine and its load average there.
+    family: the transformers MoE family of the tiny model (dwdp.families).
     """
-    opts = dict(prompts=prompts, max_len=max_len, slice_bytes=slice_bytes, repeats=repeats, seed=seed, trace=trace)
+    opts = dict(prompts=prompts, max_len=max_len, slice_bytes=slice_bytes, repeats=repeats, seed=seed, trace=trace,
+                family=family)
     cfg = DEMO_MODEL
-    print(f"dwdp demo: {ranks} ranks, tiny DeepSeek-V3-style model (hidden {cfg['hidden']}, {cfg['num_experts']} "
-          f"experts x {cfg['num_layers'] - 1} MoE layers, top-{cfg['top_k']}), host backend, CPU, seed {seed}")
+    print(f"dwdp demo: {ranks} ranks, tiny {family} model (hidden {cfg['hidden']}, {cfg['num_experts']} experts per "
+          f"MoE layer, {cfg['num_layers']} layers, top-{cfg['top_k']}), host backend, CPU, seed {seed}")
     start = time.perf_counter()
     load_before = load_average_1min()
     rows = launch_local(_demo_rank, ranks, (opts,), timeout_s=timeout_s)

@@ -5,15 +5,17 @@ Legend: T = tokens, k = experts per token, S = T * k token-expert pairs, R = row
 computes, H = hidden, I = expert intermediate size, E = experts.
 
 The arithmetic is the one of dwdp's experts function (the grouped GEMM reference over per-expert
-weight views, the module's own gate, the weighted sum in the routing weights' dtype), so DWDP, DEP
-and replicated do the same FLOPs the same way and differ only in how rows meet their experts.
+weight views, biases, the module's own gate, its post-expert norm, the weighted sum in the routing
+weights' dtype), so DWDP, DEP and replicated do the same FLOPs the same way and differ only in how
+rows meet their experts.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from .expert_tensors import ExpertsMath
 from .kernels.reference import grouped_gemm_reference
 
 
@@ -30,26 +32,46 @@ def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.T
 
 
 def expert_mlp(
-    module: torch.nn.Module,
+    math: ExpertsMath,
     x_sorted: torch.Tensor,
     rows_per_expert: Sequence[int],
-    gate_up: Sequence[torch.Tensor],
-    down: Sequence[torch.Tensor],
+    views: Mapping[str, Sequence[torch.Tensor]],
 ) -> torch.Tensor:
-    """down_e(gate(gate_up_e x)) for the rows of each expert.
+    """Each expert's MLP on its rows, from the expert's named tensors, as `math` says.
 
-    x_sorted [R, H]: rows grouped by expert in the order of `gate_up` / `down`;
-    rows_per_expert: one count per expert (sum R); gate_up: views [2I, H]; down: views [H, I].
-    Returns [R, H] in x_sorted's dtype.
+    x_sorted [R, H]: rows grouped by expert in the order of the views; rows_per_expert: one count per
+    expert (sum R); views: tensor name -> one view per expert (weights [out, in], or [in, out] when
+    transposed; biases [out]), each read where it lives. Returns [R, H] in x_sorted's dtype.
     """
+    down = views[math.down]
     if x_sorted.shape[0] == 0:
-        return x_sorted.new_empty(0, down[0].shape[0])  # [0, H]
+        out_features = down[0].shape[1 if math.down in math.transposed else 0]
+        return x_sorted.new_empty(0, out_features)  # [0, H]
     offsets = [0]
     for n in rows_per_expert:
         offsets.append(offsets[-1] + int(n))
-    h = grouped_gemm_reference(x_sorted, offsets, gate_up)   # [R, 2I]
-    h = module._apply_gate(h)                                # [R, I]
-    return grouped_gemm_reference(h, offsets, down)          # [R, H]
+
+    def linear(x: torch.Tensor, weight: str, bias: str | None) -> torch.Tensor:
+        ws = views[weight]
+        if weight in math.transposed:
+            ws = [w.t() for w in ws]  # [in, out] storage read as an [out, in] view, never copied
+        return grouped_gemm_reference(x, offsets, ws, None if bias is None else views[bias])
+
+    parts = [linear(x_sorted, w, b) for w, b in zip(math.first, math.first_bias)]  # [R, N1_j] each
+    h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)                   # [R, N1]
+    y = linear(math.gate(h), math.down, math.down_bias)                             # [R, H]
+    return y if math.post_norm is None else math.post_norm(y)
+
+
+def plain_routing_layers(layers: list, who: str) -> list:
+    """`layers` (dwdp.adapters.ExpertsLayer) when every one routes plainly: ids in [0, E), weights on
+    the output. The baselines sort pairs by expert id and weight outputs; ValueError otherwise."""
+    for layer in layers:
+        math = layer.spec.math
+        if math.num_identity_experts or math.weights_on_input:
+            what = "identity experts" if math.num_identity_experts else "routing weights on the input"
+            raise ValueError(f"{who} does not handle {layer.name} ({type(layer.module).__name__}): it has {what}")
+    return layers
 
 
 def combine(

@@ -1,12 +1,14 @@
 """The `dwdp` experts function: transformers calls it in place of its own experts forward.
 
 Legend: T = tokens, k = experts per token, S = T * k token-expert pairs, H = hidden, I = expert
-intermediate size, E = experts, L = local experts.
+intermediate size, E = experts, Z = identity experts, L = local experts.
 
 Experts are addressed through a per-layer weight table in "table order": the L local experts
-first, then the remote experts slot-buffer by slot-buffer. Rows are sorted by table position, so
-the local experts' rows come first and are computed before the prefetch of this layer is waited
-on; the remote rows follow. Each expert's weights are read where they live, never concatenated.
+first, then the remote experts slot-buffer by slot-buffer. The table holds, for each named tensor of
+an expert (weights, biases, ...), one view per expert wherever it lives. Rows are sorted by table
+position, so the local experts' rows come first and are computed before the prefetch of this layer
+is waited on; the remote rows follow. Each expert's tensors are read where they live, never
+concatenated. Identity experts (LongCat-Flash) sit after the real ones and return their input.
 """
 from __future__ import annotations
 
@@ -16,17 +18,23 @@ import torch
 
 from . import phases
 from .expert_math import combine, expert_mlp
+from .expert_tensors import ExpertsMath
 from .tracing import now_us
 
 EXPERTS_IMPLEMENTATION = "dwdp"
 
+LayerTables = dict[str, list[torch.Tensor]]
+"""Tensor name -> E per-expert views in table order, for one prefetch slot."""
 
-@dataclass
-class LayerTables:
-    """Per-expert weight views of one layer, in table order, for one prefetch slot."""
 
-    gate_up: list[torch.Tensor]  # E views [2I, H]
-    down: list[torch.Tensor]     # E views [H, I]
+@dataclass(frozen=True)
+class KernelTables:
+    """One slot's weight tables for the Triton path (dwdp.kernels.ExpertWeightTable each)."""
+
+    first: object                 # E views [N1, H] (gate_up, or up without a gate)
+    down: object                  # E views [H, I]
+    first_bias: object | None = None
+    down_bias: object | None = None
 
 
 @dataclass
@@ -35,20 +43,23 @@ class LayerRuntime:
 
     layer: int
     num_local: int
-    position: torch.Tensor           # [E] int64: table position of each expert id
-    table_order: tuple[int, ...]     # expert id at each table position (inverse of position)
+    position: torch.Tensor           # [E + Z] int64: table position of each router id
+    table_order: tuple[int, ...]     # expert id at each table position (inverse of position on [0, E))
     tables: list[LayerTables]        # one per prefetch slot
+    math: ExpertsMath
     prefetcher: object               # dwdp.prefetch.Prefetcher
-    kernel_tables: list | None = None  # per slot (gate_up, down) ExpertWeightTable: the Triton path
+    kernel_tables: list[KernelTables] | None = None  # per slot: the Triton path
+    epilogue: object | None = None   # dwdp.kernels.Epilogue of the Triton path
 
 
-def _run_experts(module, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int, hi: int,
-                 out: torch.Tensor) -> None:
-    """out[rows of experts lo..hi) = down(gate(gate_up(x))) for table positions lo..hi."""
+def _run_experts(runtime: LayerRuntime, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int,
+                 hi: int, out: torch.Tensor) -> None:
+    """out[rows of experts lo..hi) = each expert's MLP, for table positions lo..hi."""
     r0, r1 = offsets[lo], offsets[hi]
     if r1 > r0:
         counts = [b - a for a, b in zip(offsets[lo:hi], offsets[lo + 1 : hi + 1])]
-        out[r0:r1] = expert_mlp(module, x_sorted[r0:r1], counts, tables.gate_up[lo:hi], tables.down[lo:hi])
+        views = {name: per_expert[lo:hi] for name, per_expert in tables.items()}
+        out[r0:r1] = expert_mlp(runtime.math, x_sorted[r0:r1], counts, views)
 
 
 def dwdp_experts_forward(
@@ -78,7 +89,8 @@ def dwdp_experts_forward(
 def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, top_k_weights, recorder,
                      start: float) -> torch.Tensor:
     top_k = top_k_index.shape[1]
-    num_experts = runtime.position.numel()
+    num_experts = len(runtime.table_order)
+    num_positions = runtime.position.numel()  # E + Z
     prefetcher = runtime.prefetcher
     # Issue this layer's copy (if not already in flight) and the next layer's, before any compute.
     slot = prefetcher.begin(runtime.layer)
@@ -90,26 +102,33 @@ def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, to
         if recorder is not None:
             recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
         return result
+    math = runtime.math
     try:
         table_pos = runtime.position[top_k_index.reshape(-1)]                # [S]
         sorted_pos, perm = torch.sort(table_pos, stable=True)                # [S]
-        counts = torch.bincount(sorted_pos, minlength=num_experts)           # [E]
-        offsets = [0] + torch.cumsum(counts, 0).tolist()                     # E + 1 row offsets
+        counts = torch.bincount(sorted_pos, minlength=num_positions)         # [E + Z]
+        offsets = [0] + torch.cumsum(counts, 0).tolist()                     # E + Z + 1 row offsets
         x_sorted = hidden_states[perm // top_k]                              # [S, H]
+        if math.weights_on_input:
+            scale = top_k_weights.reshape(-1)[perm].unsqueeze(-1)            # [S, 1]
+            x_sorted = x_sorted * scale.to(x_sorted.dtype)
         out_sorted = hidden_states.new_empty(x_sorted.shape)                 # [S, H]
         tables = runtime.tables[slot]
         # Local experts never move: compute them while remote copies are still landing.
-        _run_experts(self, x_sorted, offsets, tables, 0, runtime.num_local, out_sorted)
+        _run_experts(runtime, x_sorted, offsets, tables, 0, runtime.num_local, out_sorted)
         # Then each remote expert as soon as its own slices have arrived.
         for pos in range(runtime.num_local, num_experts):
             if offsets[pos + 1] > offsets[pos]:
                 prefetcher.wait(runtime.layer, slot, (runtime.table_order[pos],))
-                _run_experts(self, x_sorted, offsets, tables, pos, pos + 1, out_sorted)
+                _run_experts(runtime, x_sorted, offsets, tables, pos, pos + 1, out_sorted)
+        identity = slice(offsets[num_experts], offsets[-1])
+        out_sorted[identity] = x_sorted[identity]                            # identity experts: y = x
         # The slot may be refilled only after every copy into it has landed.
         prefetcher.wait(runtime.layer, slot)
     finally:
         prefetcher.release(slot)
-    result = combine(out_sorted, perm, top_k_weights, hidden_states.dtype)   # [T, H]
+    weights = torch.ones_like(top_k_weights) if math.weights_on_input else top_k_weights
+    result = combine(out_sorted, perm, weights, hidden_states.dtype)         # [T, H]
     if recorder is not None:
         recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
     return result
@@ -120,29 +139,13 @@ def _fused_experts(runtime: LayerRuntime, slot: int, hidden_states, top_k_index,
     for this slot's copies, then the remote experts' launch."""
     from .kernels import moe_experts
 
-    gate_up, down = runtime.kernel_tables[slot]
+    tables = runtime.kernel_tables[slot]
 
     def wait_for_remote() -> None:
         runtime.prefetcher.wait(runtime.layer, slot)
 
-    out = moe_experts(hidden_states.contiguous(), runtime.position[top_k_index], top_k_weights, gate_up, down,
+    out = moe_experts(hidden_states.contiguous(), runtime.position[top_k_index], top_k_weights, tables.first,
+                      tables.down, first_bias=tables.first_bias, down_bias=tables.down_bias, epilogue=runtime.epilogue,
                       split_at=runtime.num_local, on_local_done=wait_for_remote)
     runtime.prefetcher.wait(runtime.layer, slot)  # no-op when the kernel already waited
     return out
-
-
-def uses_default_swiglu(module: torch.nn.Module) -> bool:
-    """True when the experts apply silu(gate) * up, the epilogue the fused kernel implements."""
-    from transformers.integrations.moe import _default_apply_gate
-
-    apply_gate = getattr(type(module), "_apply_gate", None)
-    act = module.act_fn
-    is_silu = isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
-    return apply_gate is _default_apply_gate and is_silu
-
-
-def register_experts_implementation() -> None:
-    """Make 'dwdp' a valid `experts_implementation` of transformers (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, dwdp_experts_forward)

@@ -5,8 +5,10 @@ H = hidden size.
 
 The model skeleton is built on the meta device (no weight memory). The dense weights (attention,
 norms, embeddings, router, shared experts) are read into it tensor by tensor; the experts are read
-by DWDPModel through an expert source that returns only this rank's L experts of each layer,
-sliced out of a stacked `[E, ...]` tensor with `get_slice` or gathered from per-expert tensors.
+by DWDPModel through an expert source that returns only this rank's L experts of each layer, for
+each of the experts' named tensors (weights, biases, ...): sliced out of a stacked `[E, ...]` (or
+flattened `[E * rows, ...]`, DBRX) tensor with `get_slice`, or gathered from per-expert tensors.
+This module does not import dwdp.model: DWDPModel.from_pretrained drives a CheckpointLoad.
 safetensors memory-maps the shards, so a non-local expert is never read. A page that is read stays
 resident while its shard is open or a tensor still uses the mapping, so one shard is open at a
 time, dense tensors are copied out of it, and expert pages go once DWDPModel has copied them into
@@ -30,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .adapters import TENSOR_NAMES, find_experts
-from .config import DWDPConfig
-from .group import DWDPGroup
+from .adapters import ExpertsLayer, find_experts
+from .expert_tensors import ExpertTensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -265,13 +266,16 @@ def scratch(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 # -- checkpoint names -> model names ------------------------------------------------------------
 @dataclass
-class ExpertTensor:
-    """Where one experts tensor (`gate_up_proj` or `down_proj` of one layer) lives in the checkpoint.
+class ExpertEntry:
+    """Where one experts tensor of one layer (e.g. its `gate_up_proj`, `down_proj_bias`, DBRX's `w1`)
+    lives in the checkpoint.
 
-    shape: the model's full [E, ...] shape; stacked: the checkpoint key of that whole tensor, or
-    parts[e]: keys of expert e's pieces, concatenated on dim 0 (gate, up) in this order.
+    tensor: what one expert's slice is (shape, rows when flattened); shape: the model's full stored
+    shape; stacked: the checkpoint key of that whole tensor, or parts[e]: keys of expert e's pieces,
+    concatenated on its dim 0 (gate, up) in this order.
     """
 
+    tensor: ExpertTensor
     shape: tuple[int, ...]
     dtype: torch.dtype
     stacked: str | None = None
@@ -280,13 +284,13 @@ class ExpertTensor:
 
 @dataclass
 class KeyPlan:
-    """dense: model state_dict name -> checkpoint key; experts: (experts module, tensor index) -> ExpertTensor."""
+    """dense: model state_dict name -> checkpoint key; experts: (experts module, tensor name) -> ExpertEntry."""
 
     dense: dict[str, str]
-    experts: dict[tuple[str, int], ExpertTensor]
+    experts: dict[tuple[str, str], ExpertEntry]
 
 
-def plan_keys(model: torch.nn.Module, shards: Shards, experts: list[tuple[str, torch.nn.Module]]) -> KeyPlan:
+def plan_keys(model: torch.nn.Module, shards: Shards, layers: list[ExpertsLayer]) -> KeyPlan:
     """Map every checkpoint key to a dense model tensor or a piece of an experts tensor.
 
     Raises CheckpointError for a key the model has no place for, an expert index outside the model,
@@ -301,11 +305,11 @@ def plan_keys(model: torch.nn.Module, shards: Shards, experts: list[tuple[str, t
     meta_state = model.state_dict()
     plan = KeyPlan({}, {})
     by_target = {}
-    for name, module in experts:
-        for t, tensor_name in enumerate(TENSOR_NAMES):
-            tensor = getattr(module, tensor_name)
-            plan.experts[(name, t)] = ExpertTensor(tuple(tensor.shape), tensor.dtype)
-            by_target[f"{name}.{tensor_name}"] = (name, t)
+    for layer in layers:
+        for tensor in layer.spec.tensors:
+            stored = tensor.stored(layer.module)
+            plan.experts[(layer.name, tensor.name)] = ExpertEntry(tensor, tuple(stored.shape), stored.dtype)
+            by_target[f"{layer.name}.{tensor.param}"] = (layer.name, tensor.name)
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     unexpected = []
     for key in shards.weight_map:
@@ -315,7 +319,7 @@ def plan_keys(model: torch.nn.Module, shards: Shards, experts: list[tuple[str, t
             if pattern is None:
                 entry.stacked = key
             else:
-                _add_part(entry, key, pattern, converters, by_target[target][1], shards)
+                _add_part(entry, key, pattern, converters, shards)
         elif pattern is None and target in meta_state:
             plan.dense[target] = key
         elif not any(p.search(key) for p in ignored):
@@ -325,14 +329,14 @@ def plan_keys(model: torch.nn.Module, shards: Shards, experts: list[tuple[str, t
             f"{shards.index}: {len(unexpected)} tensors have no place in {type(model).__name__}, "
             f"e.g. {unexpected[:3]} (in {shards.file_of(unexpected[0]).name})"
         )
-    for (name, t), entry in plan.experts.items():
-        _check_complete(f"{name}.{TENSOR_NAMES[t]}", entry, shards)
+    for (name, _), entry in plan.experts.items():
+        _check_complete(f"{name}.{entry.tensor.param}", entry, shards)
     return plan
 
 
-def _add_part(entry: ExpertTensor, key: str, pattern: str, converters, tensor: int, shards: Shards) -> None:
+def _add_part(entry: ExpertEntry, key: str, pattern: str, converters, shards: Shards) -> None:
     converter = next(c for c in converters if pattern in c.source_patterns)
-    _check_merge(converter, tensor, key, shards)
+    _check_merge(converter, entry, key, shards)
     found = _EXPERT_INDEX.search(key)
     if found is None:
         raise CheckpointError(f"{shards.file_of(key)}: tensor {key!r} names no expert index (.experts.<e>.)")
@@ -345,25 +349,26 @@ def _add_part(entry: ExpertTensor, key: str, pattern: str, converters, tensor: i
     parts[converter.source_patterns.index(pattern)] = key
 
 
-def _check_merge(converter, tensor: int, key: str, shards: Shards) -> None:
-    """The per-expert pieces must be stacked on dim 0 and (for gate_up) concatenated on dim 1 of
-    [E, 2I, H]; anything else (interleaving, transposes) would be read wrongly, so refuse it."""
+def _check_merge(converter, entry: ExpertEntry, key: str, shards: Shards) -> None:
+    """Per-expert pieces must be stacked on dim 0 of a [E, ...] tensor and (when there are several)
+    concatenated on each expert's dim 0, as gate and up of [E, 2I, H]; anything else (interleaving,
+    transposes, flattened experts) would be read wrongly, so refuse it."""
     from transformers.core_model_loading import Concatenate, MergeModulelist
 
     ops = list(converter.operations)
-    merge_ok = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0
+    merge_ok = bool(ops) and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0 and not entry.tensor.rows
     rest_ok = (
         (len(ops) == 1 and len(converter.source_patterns) == 1)
-        or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1 and tensor == 0)
+        or (len(ops) == 2 and isinstance(ops[1], Concatenate) and ops[1].dim == 1)
     )
     if not (merge_ok and rest_ok):
         raise CheckpointError(
-            f"{shards.file_of(key)}: tensor {key!r} is merged into {TENSOR_NAMES[tensor]} by {ops}, "
+            f"{shards.file_of(key)}: tensor {key!r} is merged into {entry.tensor.param} by {ops}, "
             "which this loader does not read per expert"
         )
 
 
-def _check_complete(target: str, entry: ExpertTensor, shards: Shards) -> None:
+def _check_complete(target: str, entry: ExpertEntry, shards: Shards) -> None:
     if entry.stacked is not None and entry.parts:
         some = next(iter(entry.parts.values()))
         raise CheckpointError(
@@ -371,7 +376,8 @@ def _check_complete(target: str, entry: ExpertTensor, shards: Shards) -> None:
         )
     if entry.stacked is not None:
         return
-    for e in range(entry.shape[0]):
+    num_experts = entry.shape[0] if not entry.tensor.rows else entry.shape[0] // entry.tensor.rows
+    for e in range(num_experts):
         parts = entry.parts.get(e)
         if parts is None or None in parts:
             raise CheckpointError(f"{shards.index}: tensor {target} of expert {e} is missing (pieces found: {parts})")
@@ -419,7 +425,7 @@ def load_dense(model, plan: KeyPlan, shards: Shards, device: torch.device) -> No
         current = model.get_parameter_or_buffer(target)
         value = shards.read(key, tuple(current.shape), current.dtype)
         _set_tensor(model, target, value if value.device == device else value.to(device))
-    expert_names = {f"{name}.{TENSOR_NAMES[t]}" for name, t in plan.experts}
+    expert_names = {f"{name}.{entry.tensor.param}" for (name, _), entry in plan.experts.items()}
     missing = set(model.state_dict()) - set(plan.dense) - expert_names
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     if missing:
@@ -427,16 +433,20 @@ def load_dense(model, plan: KeyPlan, shards: Shards, device: torch.device) -> No
 
 
 def expert_reader(plan: KeyPlan, shards: Shards):
-    """The ExpertSource DWDPModel calls: (experts module, tensor index, local ids [L]) -> [L, ...]."""
+    """The expert source DWDPModel calls: (experts module, tensor name, expert ids [n]) -> [n, *shape]."""
 
-    def read(name: str, tensor: int, local_ids: torch.Tensor) -> torch.Tensor:
-        entry = plan.experts[(name, tensor)]
-        ids = [int(e) for e in local_ids]
+    def read(name: str, tensor_name: str, ids: torch.Tensor) -> torch.Tensor:
+        entry = plan.experts[(name, tensor_name)]
+        tensor = entry.tensor
+        ids = [int(e) for e in ids]
         try:
             if entry.stacked is not None:
-                return shards.read_rows(entry.stacked, ids, entry.shape, entry.dtype)
-            shape = entry.shape[1:]
-            out = scratch((len(ids), *shape), entry.dtype)  # [L, 2I, H] or [L, H, I]
+                if not tensor.rows:
+                    return shards.read_rows(entry.stacked, ids, entry.shape, entry.dtype)  # [n, *shape]
+                rows = [e * tensor.rows + r for e in ids for r in range(tensor.rows)]  # flattened experts
+                return shards.read_rows(entry.stacked, rows, entry.shape, entry.dtype).view(len(ids), *tensor.shape)
+            shape = tensor.shape
+            out = scratch((len(ids), *shape), entry.dtype)  # [n, *shape]
             for i, e in enumerate(ids):
                 keys = entry.parts[e]
                 step = shape[0] // len(keys)
@@ -450,51 +460,47 @@ def expert_reader(plan: KeyPlan, shards: Shards):
     return read
 
 
-def load_dwdp_model(
-    path: str | Path,
-    config: DWDPConfig | None = None,
-    group: DWDPGroup | None = None,
-    dtype: torch.dtype | None = None,
-    device: str | torch.device = "cpu",
-):
-    """One rank of a DWDP group built from the checkpoint directory `path`.
+class CheckpointLoad:
+    """One rank's read of a checkpoint directory: the meta skeleton and its key plan, then the dense
+    weights (`load_dense`), then the experts through `expert_source` as DWDPModel asks for them, then
+    `report`. Only the dense tensors and the rank's local experts are ever read.
 
     path: a directory with config.json and safetensors shards (+ model.safetensors.index.json).
-    config, group: as for DWDPModel (group None joins the torchrun world or a one-rank group).
     dtype: the model's dtype (None: the checkpoint config's dtype); tensors are cast on read.
-    Returns a DWDPModel whose `load_report` is a LoadReport. Only the dense tensors and this rank's
-    local experts are read; the rank never holds any other expert.
     """
-    from .model import DWDPModel
 
-    path = Path(path)
-    device = torch.device(device)
-    start = time.perf_counter()
-    shards = Shards(path)
-    model = _skeleton(path, dtype)
-    _, experts = find_experts(model)
-    plan = plan_keys(model, shards, experts)
-    # Measured from here: the model code is imported and the skeleton holds no weights, so what the
-    # RSS gains is the rank's data.
-    peak_is_load_only = reset_peak_rss()
-    rss_before = rss_bytes()[0]
-    try:
-        load_dense(model, plan, shards, device)
-        wrapped = DWDPModel(model, config, group, expert_source=expert_reader(plan, shards))
-    finally:
-        shards.close()
-    on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if on_meta:
-        raise RuntimeError(f"{path}: tensors {on_meta[:5]} were never loaded")
-    rss_after, rss_peak = rss_bytes()
-    checkpoint_bytes, largest_shard = shards.total_bytes()
-    memory = wrapped.memory
-    wrapped.load_report = LoadReport(
-        path=str(path), rank=wrapped.group.rank, group_size=wrapped.group.size,
-        seconds=time.perf_counter() - start, tensors_read=shards.tensors_read, bytes_read=shards.bytes_read,
-        checkpoint_bytes=checkpoint_bytes, largest_shard_bytes=largest_shard, dense_bytes=memory.dense_bytes,
-        local_expert_bytes=memory.local_expert_bytes, prefetch_buffer_bytes=memory.prefetch_buffer_bytes,
-        full_expert_bytes=memory.full_expert_bytes, rss_before=rss_before, rss_peak=rss_peak, rss_after=rss_after,
-        peak_is_load_only=peak_is_load_only,
-    )
-    return wrapped
+    def __init__(self, path: str | Path, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+        self.path = Path(path)
+        self.device = torch.device(device)
+        self.start = time.perf_counter()
+        self.shards = Shards(self.path)
+        self.model = _skeleton(self.path, dtype)
+        self.plan = plan_keys(self.model, self.shards, find_experts(self.model))
+        self.expert_source = expert_reader(self.plan, self.shards)
+        # Measured from here: the model code is imported and the skeleton holds no weights, so what the
+        # RSS gains is the rank's data.
+        self.peak_is_load_only = reset_peak_rss()
+        self.rss_before = rss_bytes()[0]
+
+    def load_dense(self) -> None:
+        load_dense(self.model, self.plan, self.shards, self.device)
+
+    def close(self) -> None:
+        self.shards.close()
+
+    def report(self, memory, rank: int, group_size: int) -> LoadReport:
+        """The LoadReport of the finished rank (`memory`: its DWDPModel.memory); RuntimeError if any
+        tensor of the model was never loaded."""
+        on_meta = [n for n, t in [*self.model.named_parameters(), *self.model.named_buffers()] if t.is_meta]
+        if on_meta:
+            raise RuntimeError(f"{self.path}: tensors {on_meta[:5]} were never loaded")
+        rss_after, rss_peak = rss_bytes()
+        checkpoint_bytes, largest_shard = self.shards.total_bytes()
+        return LoadReport(
+            path=str(self.path), rank=rank, group_size=group_size, seconds=time.perf_counter() - self.start,
+            tensors_read=self.shards.tensors_read, bytes_read=self.shards.bytes_read,
+            checkpoint_bytes=checkpoint_bytes, largest_shard_bytes=largest_shard, dense_bytes=memory.dense_bytes,
+            local_expert_bytes=memory.local_expert_bytes, prefetch_buffer_bytes=memory.prefetch_buffer_bytes,
+            full_expert_bytes=memory.full_expert_bytes, rss_before=self.rss_before, rss_peak=rss_peak,
+            rss_after=rss_after, peak_is_load_only=self.peak_is_load_only,
+        )

@@ -8,6 +8,7 @@ local experts in place and remote ones from a prefetch slot filled by copies fro
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -18,9 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from . import envs
-from .adapters import find_experts
+from .adapters import ExpertsLayer, find_experts, route_experts
 from .config import DWDPConfig
-from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, register_experts_implementation
+from .expert_tensors import ExpertsSpec
+from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, dwdp_experts_forward
+from .experts_kernel import choose_experts_kernel, epilogue_of, kernel_weight_tables
 from .group import DWDPGroup, init_group
 from .placement import build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
@@ -51,30 +54,60 @@ class MemoryReport:
         return self.full_expert_bytes - self.resident_expert_bytes
 
 
-ExpertSource = Callable[[str, int, torch.Tensor], torch.Tensor]
-"""(experts module name, tensor index (0 gate_up, 1 down), local expert ids [L]) -> [L, ...] weights."""
+ExpertSource = Callable[[str, str, torch.Tensor], torch.Tensor]
+"""(experts module name, expert tensor name, expert ids [n]) -> [n, *shape]: that tensor of those experts."""
 
 
-def _stacked_source(adapter, modules: dict) -> ExpertSource:
-    def read(name: str, tensor: int, local_ids: torch.Tensor) -> torch.Tensor:
-        return adapter.expert_tensors(modules[name])[tensor].detach()[local_ids]
+def _module_source(layers: list[ExpertsLayer]) -> ExpertSource:
+    by_name = {layer.name: layer for layer in layers}
+
+    def read(name: str, tensor: str, ids: torch.Tensor) -> torch.Tensor:
+        layer = by_name[name]
+        return layer.spec.tensor(tensor).stacked(layer.module, layer.spec.num_experts).detach()[ids]
 
     return read
 
 
-def _choose_experts_kernel(requested: str, device: torch.device, experts) -> str:
-    """"triton" for CUDA models whose experts are plain SwiGLU, "reference" otherwise; an explicit
-    "triton" that cannot work is an error, not a silent fallback."""
-    from .experts import uses_default_swiglu
+def place_biases(spec: ExpertsSpec, policy: str) -> ExpertsSpec:
+    """`spec` with its biases marked as moving with their expert or staying on every rank.
 
-    plain = all(uses_default_swiglu(m) for _, m in experts)
-    if requested == "triton":
-        if not plain:
-            raise ValueError("experts_kernel='triton' needs silu(gate) * up experts; this model's differ")
-        return "triton"
-    if requested == "auto" and device.type == "cuda" and plain:
-        return "triton"
-    return "reference"
+    "auto" keeps them on every rank when the biases of all E experts take no more bytes than one
+    expert's weights: they then cost less memory than one more local expert, and moving them would
+    add two tiny copies per remote expert. Otherwise (or with "move") they travel with their expert.
+    """
+    biases = set(spec.math.biases)
+    if not biases:
+        return spec
+    bias_bytes = spec.num_experts * sum(t.nbytes for t in spec.tensors if t.name in biases)
+    weight_bytes = sum(t.nbytes for t in spec.tensors if t.name not in biases)
+    replicate = policy == "replicate" or (policy == "auto" and bias_bytes <= weight_bytes)
+    tensors = tuple(dataclasses.replace(t, moves=not replicate) if t.name in biases else t for t in spec.tensors)
+    return dataclasses.replace(spec, tensors=tensors)
+
+
+def _bias_report(spec: ExpertsSpec) -> str | None:
+    """"replicated" or "moved with experts" for a layer with biases, None without."""
+    if not spec.math.biases:
+        return None
+    return "moved with experts" if spec.tensor(spec.math.biases[0]).moves else "replicated"
+
+
+def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order: list[int]) -> LayerTables:
+    """Each tensor's E per-expert views in table order for one prefetch slot `buffer`: local experts
+    (the module's [L, ...] segment views), then each peer's block in the slot; tensors that stay on
+    every rank are read from the module's full [E, ...] tensor."""
+    spec = layer.spec
+    tables: LayerTables = {}
+    for t_index, tensor in enumerate(spec.moving):
+        views = list(tensor.stored(layer.module).unbind(0))  # L local views
+        for p_index, experts_of_peer in enumerate(slots.experts_by_peer):
+            block = tensor.views_in(buffer, slots.tensor_offset(p_index, t_index), len(experts_of_peer))
+            views.extend(block.unbind(0))
+        tables[tensor.name] = views
+    for tensor in spec.replicated:
+        full = tensor.stacked(layer.module, spec.num_experts)  # [E, *shape]
+        tables[tensor.name] = [full[e] for e in table_order]
+    return tables
 
 
 def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
@@ -88,14 +121,14 @@ def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
 class DWDPModel(ModelWrapper):
     """One rank of a DWDP group around `model`, called exactly like `model`.
 
-    model: a transformers 5 MoE model (Mixtral, Qwen3-MoE, Qwen2-MoE, DeepSeek-V3, OLMoE), on the
-        CPU (host backend) or on this rank's CUDA device (cuda backend); it is modified in place
-        (its non-local experts are freed).
+    model: a transformers 5 MoE model (any family whose experts dwdp.adapters finds: see the README's
+        family table), on the CPU (host backend) or on this rank's CUDA device (cuda backend); it is
+        modified in place (its non-local experts are freed).
     config: DWDPConfig, or the path of one saved as JSON (`dwdp tune` writes one); group_size None
         means the whole DWDP group passed in `group`.
     group: DWDPGroup; None joins the env:// world (torchrun) or, without one, a one-rank group.
-    expert_source: where this rank's local experts come from; None reads them from the model's
-        stacked parameters. A loader passes one that reads only local experts from a checkpoint,
+    expert_source: where this rank's local experts come from (see ExpertSource); None reads them from
+        the model's stacked parameters. A loader passes one that reads only local experts from a checkpoint,
         so a model whose experts are still on the meta device never materialises the others.
     trace: directory for this rank's `trace_rank{r}.json` (written on `close`); default
         DWDP_TRACE_DIR, and no recording at all when neither is set.
@@ -114,24 +147,23 @@ class DWDPModel(ModelWrapper):
         if isinstance(config, (str, os.PathLike)):
             config = DWDPConfig.from_json(config)  # e.g. written by `dwdp tune`
         config = config or DWDPConfig()
-        adapter, experts = find_experts(model)  # validates the model before any collective
+        layers = find_experts(model)  # validates the model before any collective
+        layers = [dataclasses.replace(layer, spec=place_biases(layer.spec, config.expert_biases)) for layer in layers]
         if group is None:
             group = init_group(config.group_size)
         if config.group_size is not None and config.group_size != group.size:
             raise ValueError(f"config.group_size={config.group_size} but the DWDP group has {group.size} ranks")
-        first = experts[0][1]
-        num_experts = first.num_experts
-        shapes = [tuple(t.shape[1:]) for t in adapter.expert_tensors(first)]
-        dtype = first.gate_up_proj.dtype
-        for name, module in experts:
-            got = [tuple(t.shape[1:]) for t in adapter.expert_tensors(module)]
-            if module.num_experts != num_experts or got != shapes or module.gate_up_proj.dtype != dtype:
+        first = layers[0]
+        for layer in layers[1:]:
+            if layer.spec.signature() != first.spec.signature():
                 raise ValueError(
-                    f"{name} has {module.num_experts} experts of shapes {got} ({module.gate_up_proj.dtype}); "
-                    f"expected {num_experts} of {shapes} ({dtype}) like {experts[0][0]}"
+                    f"{layer.name} has experts {layer.spec.signature()}; expected {first.spec.signature()} like "
+                    f"{first.name}: every MoE layer shares one segment layout"
                 )
+        num_experts = first.spec.num_experts
+        moving = first.spec.moving
         placement = build_placement(num_experts, group.size, config.num_local_experts)
-        device = first.gate_up_proj.device
+        device = moving[0].stored(first.module).device
         backend = resolve_backend(config.backend, torch.device("cpu") if device.type == "meta" else device)
         timeout_s = envs.wait_timeout_s(config.wait_timeout_s)
 
@@ -140,13 +172,14 @@ class DWDPModel(ModelWrapper):
         self.group = group
         self.placement = placement
         self.backend = backend
-        self.experts_modules = [m for _, m in experts]
+        self.experts_layers = layers
+        self.experts_modules = [layer.module for layer in layers]
+        self.expert_biases = _bias_report(first.spec)
 
-        elem = torch.tensor([], dtype=dtype).element_size()
-        tensor_nbytes = tuple(int(torch.Size(s).numel()) * elem for s in shapes)
-        segment_layout = SegmentLayout(len(experts), placement.num_local_experts, tensor_nbytes)
+        tensor_nbytes = tuple(t.stride_bytes for t in moving)  # one expert's block of each moving tensor
+        segment_layout = SegmentLayout(len(layers), placement.num_local_experts, tensor_nbytes)
         slots = slot_layout(placement, group.rank, tensor_nbytes)
-        full_bytes = len(experts) * num_experts * sum(tensor_nbytes)
+        full_bytes = len(layers) * num_experts * sum(t.nbytes for t in first.spec.tensors)
 
         mapping = _cuda_mapping(config.cuda_mapping, group) if backend == "cuda" else "ipc"
         transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
@@ -156,23 +189,9 @@ class DWDPModel(ModelWrapper):
         try:
             segment = transport.alloc_segment(segment_layout.total_nbytes)
             local_ids = torch.tensor(placement.local_experts(group.rank))
-            source = expert_source or _stacked_source(adapter, dict(experts))
-            for layer, (name, module) in enumerate(experts):
-                local = []
-                for t, shape in enumerate(shapes):
-                    start = segment_layout.tensor_offset(layer, t)
-                    view = segment[start : start + placement.num_local_experts * tensor_nbytes[t]]
-                    view = view.view(dtype).view(placement.num_local_experts, *shape)  # [L, ...]
-                    src = source(name, t, local_ids)
-                    if tuple(src.shape) != tuple(view.shape):
-                        raise ValueError(
-                            f"{name}: expert source gave tensor {t} of shape {tuple(src.shape)}, "
-                            f"expected {tuple(view.shape)}"
-                        )
-                    view.copy_(src)
-                    local.append(view)
-                # Dropping the stacked [E, ...] parameters frees the non-local experts.
-                adapter.replace_tensors(module, tuple(local))
+            source = expert_source or _module_source(layers)
+            for index, layer in enumerate(layers):
+                self._fill_local(index, layer, segment, segment_layout, local_ids, source)
             handles = group.all_gather_object(transport.register())
             transport.open(handles)
             group.barrier()  # every peer has mapped our segment: its name can go
@@ -183,64 +202,73 @@ class DWDPModel(ModelWrapper):
 
         slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
         plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes)
-        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(experts), timeout_s)
+        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s)
 
         remote_order = [e for experts_of_peer in slots.experts_by_peer for e in experts_of_peer]
         table_order = list(placement.local_experts(group.rank)) + remote_order
-        position = torch.empty(num_experts, dtype=torch.long)
+        num_identity = first.spec.math.num_identity_experts
+        position = torch.empty(num_experts + num_identity, dtype=torch.long)
         position[torch.tensor(table_order)] = torch.arange(num_experts)
+        position[num_experts:] = torch.arange(num_experts, num_experts + num_identity)  # identity experts last
         position = position.to(slot_buffers[0].device)  # indexed by the router's ids, on their device
-        self.experts_kernel = _choose_experts_kernel(config.experts_kernel, device, experts)
-        for layer, module in enumerate(self.experts_modules):
-            tables = [self._layer_tables(module, slots, buf, shapes, dtype) for buf in slot_buffers]
-            kernel_tables = None
+        self.experts_kernel = choose_experts_kernel(config.experts_kernel, device, layers)
+        for index, layer in enumerate(layers):
+            tables = [_layer_tables(layer, slots, buf, table_order) for buf in slot_buffers]
+            kernel_tables, epilogue = None, None
             if self.experts_kernel == "triton":
-                from .kernels import expert_weight_table
-
-                kernel_tables = [(expert_weight_table(t.gate_up, name="gate_up"),
-                                  expert_weight_table(t.down, name="down")) for t in tables]
-            module._dwdp_runtime = LayerRuntime(
-                layer, placement.num_local_experts, position, tuple(table_order), tables, self.prefetcher,
-                kernel_tables,
+                kernel_tables = [kernel_weight_tables(layer.spec, t) for t in tables]
+                epilogue = epilogue_of(layer)
+            layer.module._dwdp_runtime = LayerRuntime(
+                index, placement.num_local_experts, position, tuple(table_order), tables, layer.spec.math,
+                self.prefetcher, kernel_tables, epilogue,
             )
 
-        register_experts_implementation()
-        model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        route_experts(model, layers, EXPERTS_IMPLEMENTATION, dwdp_experts_forward)
         self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())]
         if backend == "cuda":
             self.prefetcher.nvtx = NvtxRanges()
-            self._hooks += attach_nvtx_hooks(model, self.prefetcher.nvtx, [name for name, _ in experts])
+            self._hooks += attach_nvtx_hooks(model, self.prefetcher.nvtx, [layer.name for layer in layers])
         self.recorder = None
         trace = trace or envs.trace_dir()
         if trace:
-            plan_bytes = {layer: plans.get(layer, 0).nbytes for layer in range(len(experts))}
-            self.recorder = TraceRecorder(trace, group.rank, group.size, len(experts), plan_bytes)
+            plan_bytes = {layer: plans.get(layer, 0).nbytes for layer in range(len(layers))}
+            self.recorder = TraceRecorder(trace, group.rank, group.size, len(layers), plan_bytes)
             self.prefetcher.recorder = transport.recorder = self.recorder
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self.recorder.begin_forward()))
             self._hooks.append(model.register_forward_hook(lambda *_: self.recorder.end_forward()))
-            self._hooks += attach_phase_hooks(model, self.recorder, [name for name, _ in experts])
+            self._hooks += attach_phase_hooks(model, self.recorder, [layer.name for layer in layers])
 
-        local_tensors = [t for m in self.experts_modules for t in adapter.expert_tensors(m)]
+        local_tensors = [t.stored(layer.module) for layer in layers for t in moving]
         self.memory = MemoryReport(
             full_expert_bytes=full_bytes,
             local_expert_bytes=segment_layout.total_nbytes,
             prefetch_buffer_bytes=config.num_buffers * slots.total_nbytes,
             dense_bytes=dense_bytes(model, local_tensors),
         )
-        log.info("rank %d/%d: %s backend, %s", group.rank, group.size, backend, self.memory)
+        log.info("rank %d/%d: %s backend, %s kernel, biases %s, %s", group.rank, group.size, backend,
+                 self.experts_kernel, self.expert_biases, self.memory)
 
     @staticmethod
-    def _layer_tables(module, slots, buffer: torch.Tensor, shapes, dtype) -> LayerTables:
-        gate_up = list(module.gate_up_proj.unbind(0))  # local experts first: L views [2I, H]
-        down = list(module.down_proj.unbind(0))        # L views [H, I]
-        for p_index, experts_of_peer in enumerate(slots.experts_by_peer):
-            n = len(experts_of_peer)
-            for t, (shape, dst) in enumerate(zip(shapes, (gate_up, down))):
-                start = slots.tensor_offset(p_index, t)
-                nbytes = n * slots.tensor_nbytes[t]
-                block = buffer[start : start + nbytes].view(dtype).view(n, *shape)  # [n_p, ...]
-                dst.extend(block.unbind(0))
-        return LayerTables(gate_up, down)
+    def _fill_local(index: int, layer: ExpertsLayer, segment: torch.Tensor, layout: SegmentLayout,
+                    local_ids: torch.Tensor, source: ExpertSource) -> None:
+        """Copy this rank's experts of `layer` into its segment and point the module at them; read the
+        tensors that stay on every rank too when the module does not hold them yet (meta skeleton)."""
+        spec = layer.spec
+        for t_index, tensor in enumerate(spec.moving):
+            view = tensor.views_in(segment, layout.tensor_offset(index, t_index), len(local_ids))  # [L, *shape]
+            src = source(layer.name, tensor.name, local_ids)
+            if tuple(src.shape) != tuple(view.shape):
+                raise ValueError(
+                    f"{layer.name}: expert source gave {tensor.name} of shape {tuple(src.shape)}, "
+                    f"expected {tuple(view.shape)}"
+                )
+            view.copy_(src)
+            # Dropping the stacked [E, ...] tensor frees the non-local experts.
+            tensor.replace(layer.module, view)
+        for tensor in spec.replicated:
+            if tensor.stored(layer.module).is_meta:
+                full = source(layer.name, tensor.name, torch.arange(spec.num_experts))  # [E, *shape]
+                tensor.replace(layer.module, full.reshape(tensor.stored_shape(spec.num_experts)).clone())
 
     @property
     def stats(self):
@@ -268,9 +296,20 @@ class DWDPModel(ModelWrapper):
     @classmethod
     def from_pretrained(cls, path, config: DWDPConfig | None = None, group: DWDPGroup | None = None, *,
                         dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> "DWDPModel":
-        """One rank built from the safetensors checkpoint directory `path`, reading only the dense
-        weights and this rank's local experts; see dwdp.loading.load_dwdp_model. The result has a
-        `load_report` (dwdp.loading.LoadReport) besides `memory`."""
-        from .loading import load_dwdp_model
+        """One rank built from the safetensors checkpoint directory `path` (config.json + shards),
+        reading only the dense weights and this rank's local experts (dwdp.loading.CheckpointLoad).
 
-        return load_dwdp_model(path, config=config, group=group, dtype=dtype, device=device)
+        config, group: as for DWDPModel (group None joins the torchrun world or a one-rank group).
+        dtype: the model's dtype (None: the checkpoint config's); tensors are cast on read.
+        The result has a `load_report` (dwdp.loading.LoadReport) besides `memory`.
+        """
+        from .loading import CheckpointLoad
+
+        load = CheckpointLoad(path, dtype, device)
+        try:
+            load.load_dense()
+            wrapped = cls(load.model, config, group, expert_source=load.expert_source)
+        finally:
+            load.close()
+        wrapped.load_report = load.report(wrapped.memory, wrapped.group.rank, wrapped.group.size)
+        return wrapped

@@ -1,15 +1,16 @@
 """Memory layouts of expert weights and the sliced, peer-interleaved copy plan of one layer.
 
-Legend: L = local experts per rank, M = missing experts per rank, T = weight tensors per expert
-(gate_up and down), nb[t] = bytes of tensor t of one expert.
+Legend: L = local experts per rank, M = missing experts per rank, T = tensors per expert that move
+(its named weights, biases, ...: dwdp.expert_tensors), nb[t] = bytes one expert's tensor t takes
+(its size padded to 16 bytes).
 
 Source segment (one per rank, shared with peers): for each MoE layer, tensor-major blocks
-    [gate_up of its L local experts][down of its L local experts]
-so each rank's local parameters are plain contiguous views ([L, 2I, H] and [L, H, I]).
+    [tensor 0 of its L local experts][tensor 1 of its L local experts]...
+e.g. [gate_up][down], so each rank's local tensors are plain views ([L, 2I, H] and [L, H, I]).
 
 Prefetch slot (one per buffer, private): for each source peer in pull order, the same
 tensor-major blocks for the experts pulled from that peer, so the experts path reads one
-[n_p, 2I, H] / [n_p, H, I] view per peer and never concatenates them.
+[n_p, ...] view per tensor and peer and never concatenates them.
 """
 from __future__ import annotations
 

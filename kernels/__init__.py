@@ -4,6 +4,9 @@ The Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1 on CPU);
 package needs neither, and the references run anywhere.
 """
 from .grouped_gemm import (
+    ACTIVATIONS,
+    SWIGLU,
+    Epilogue,
     ExpertWeightTable,
     GroupedGemmConfig,
     default_wave_size,
@@ -13,9 +16,13 @@ from .grouped_gemm import (
     local_first_split,
 )
 from .moe import moe_experts, sort_by_expert
-from .reference import grouped_gemm_reference, moe_experts_reference, swiglu_reference
+from .reference import epilogue_reference, grouped_gemm_reference, moe_experts_reference, swiglu_reference
 
 __all__ = [
+    "ACTIVATIONS",
+    "SWIGLU",
+    "Epilogue",
+    "epilogue_reference",
     "ExpertWeightTable",
     "GroupedGemmConfig",
     "default_wave_size",

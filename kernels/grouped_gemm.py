@@ -72,6 +72,39 @@ class GroupedGemmConfig:
             raise ValueError(f"programs_per_sm={self.programs_per_sm} must be >= 1")
 
 
+ACTIVATIONS = {"none": 0, "silu": 1, "gelu_tanh": 2, "relu2": 3}
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What the kernel applies to a GEMM's fp32 accumulators (after the bias) before storing.
+
+    gated: weight rows hold a gate and an up half (N = 2 N_OUT): out = act(gate) * (up + up_offset);
+        otherwise out = act(acc) over N = N_OUT rows.
+    interleaved: gate and up rows alternate (gate 2n, up 2n + 1, gpt-oss) instead of [gate; up].
+    activation: "none", "silu" (x * sigmoid(alpha * x)), "gelu_tanh" or "relu2" (relu(x)^2).
+    limit: gate clamped to <= limit and up to [-limit, limit] before the activation (inf: no clamp).
+    """
+
+    activation: str = "silu"
+    gated: bool = True
+    interleaved: bool = False
+    alpha: float = 1.0
+    limit: float = float("inf")
+    up_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation={self.activation!r} is not one of {tuple(ACTIVATIONS)}")
+        if self.interleaved and not self.gated:
+            raise ValueError("interleaved=True needs gated=True (gate and up rows to interleave)")
+        if not self.limit > 0:
+            raise ValueError(f"limit={self.limit} must be > 0 (inf for no clamp)")
+
+
+SWIGLU = Epilogue()
+
+
 @dataclass(frozen=True)
 class ExpertWeightTable:
     """Per-expert base addresses of E weight views [N, K] that may live in different buffers.
@@ -83,32 +116,36 @@ class ExpertWeightTable:
 
     addresses: torch.Tensor  # [E] int64 data_ptr of each view, on the views' device
     views: tuple[torch.Tensor, ...]
-    shape: tuple[int, int]  # (N, K)
+    shape: tuple[int, ...]  # (N, K) of weights, (N,) of biases
     dtype: torch.dtype
     device: torch.device
+    strides: tuple[int, ...] = ()  # element strides of every view: (K, 1), or (1, N) for [K, N] storage
 
     @property
     def num_experts(self) -> int:
         return len(self.views)
 
 
-def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights") -> ExpertWeightTable:
-    """Validate E per-expert views [N, K] and collect their base addresses.
+def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights", ndim: int = 2) -> ExpertWeightTable:
+    """Validate E per-expert views and collect their base addresses.
 
-    Every view must be a contiguous 2-D tensor of the same shape, dtype and device, starting on
-    a 16-byte boundary (vectorised loads). Raises ValueError naming `name[e]` otherwise.
+    ndim=2: weights [N, K], each contiguous or the transpose of a contiguous [K, N] tensor (read
+    without a copy), all with the same strides. ndim=1: biases [N], contiguous.
+    Every view must have the same shape, dtype and device and start on a 16-byte boundary
+    (vectorised loads). Raises ValueError naming `name[e]` otherwise.
     """
+    what = "[N, K]" if ndim == 2 else "[N]"
     if isinstance(weights, torch.Tensor):
-        raise ValueError(f"{name} must be a sequence of E views [N, K], got one tensor of shape {tuple(weights.shape)}")
+        raise ValueError(f"{name} must be a sequence of E views {what}, got one tensor of shape {tuple(weights.shape)}")
     views = tuple(weights)
     if not views:
-        raise ValueError(f"{name} is empty: expected one [N, K] view per expert")
+        raise ValueError(f"{name} is empty: expected one {what} view per expert")
     first = views[0]
     for e, w in enumerate(views):
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"{name}[{e}] must be a torch.Tensor, got {type(w).__name__}")
-        if w.dim() != 2:
-            raise ValueError(f"{name}[{e}] must be 2-D [N, K], got shape {tuple(w.shape)}")
+        if w.dim() != ndim:
+            raise ValueError(f"{name}[{e}] must be {ndim}-D {what}, got shape {tuple(w.shape)}")
         if w.shape != first.shape:
             raise ValueError(f"{name}[{e}] has shape {tuple(w.shape)}, expected {tuple(first.shape)} like {name}[0]")
         if w.dtype not in _DTYPES:
@@ -117,18 +154,20 @@ def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights
             raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected {first.dtype} like {name}[0]")
         if w.device != first.device:
             raise ValueError(f"{name}[{e}] is on {w.device}, expected {first.device} like {name}[0]")
-        if not w.is_contiguous():
-            raise ValueError(f"{name}[{e}] must be contiguous, got strides {w.stride()}")
+        dense = w.is_contiguous() or (ndim == 2 and w.t().is_contiguous())
+        if not dense or w.stride() != first.stride():
+            raise ValueError(f"{name}[{e}] must be contiguous (or a transposed contiguous [K, N]) with the strides "
+                             f"of {name}[0] {first.stride()}, got strides {w.stride()}")
         if w.data_ptr() % _ALIGN_BYTES:
             raise ValueError(f"{name}[{e}] starts at address {w.data_ptr():#x}, not {_ALIGN_BYTES}-byte aligned")
     addresses = torch.tensor([w.data_ptr() for w in views], dtype=torch.int64)  # [E]
     if first.device.type != "cpu":
         addresses = addresses.to(first.device, non_blocking=True)
-    return ExpertWeightTable(addresses, views, (first.shape[0], first.shape[1]), first.dtype, first.device)
+    return ExpertWeightTable(addresses, views, tuple(first.shape), first.dtype, first.device, tuple(first.stride()))
 
 
-def _as_table(weights: Sequence[torch.Tensor] | ExpertWeightTable, name: str) -> ExpertWeightTable:
-    return weights if isinstance(weights, ExpertWeightTable) else expert_weight_table(weights, name=name)
+def _as_table(weights: Sequence[torch.Tensor] | ExpertWeightTable, name: str, ndim: int = 2) -> ExpertWeightTable:
+    return weights if isinstance(weights, ExpertWeightTable) else expert_weight_table(weights, name=name, ndim=ndim)
 
 
 def _tile_count(n: int, block: int) -> int:
@@ -170,9 +209,24 @@ def local_first_split(
 if triton is not None:
 
     @triton.jit
+    def _activate(x, alpha, ACTIVATION: tl.constexpr):
+        """x [BLOCK_M, BLOCK_N] fp32 -> act(x): 0 identity, 1 x * sigmoid(alpha x), 2 tanh-GELU, 3 relu^2."""
+        if ACTIVATION == 1:
+            x = x * tl.sigmoid(alpha * x)
+        elif ACTIVATION == 2:
+            # tanh(z) = 2 sigmoid(2z) - 1, with z = sqrt(2 / pi) (x + 0.044715 x^3)
+            z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+            x = x * tl.sigmoid(2.0 * z)
+        elif ACTIVATION == 3:
+            x = tl.maximum(x, 0.0)
+            x = x * x
+        return x
+
+    @triton.jit
     def _grouped_gemm_kernel(
         a_ptr,  # [rows of A, K] activations: the sorted rows, or token rows gathered through slots
-        w_table_ptr,  # [E] int64 base address of each expert's [N, K] weight view
+        w_table_ptr,  # [E] int64 base address of each expert's [N, K] weight view (any strides, see stride_w*)
+        bias_table_ptr,  # [E] int64 base address of each expert's [N] bias, read when HAS_BIAS
         offsets_ptr,  # [E + 1] int32/int64 first sorted row of each expert, then T
         slots_ptr,  # [T] int64 slot (token * top_k + j) of each sorted row, read when HAS_SLOTS
         scale_ptr,  # [T] (or [slots]) per-row scale, indexed by slot when HAS_SLOTS, read when HAS_SCALE
@@ -185,8 +239,11 @@ if triton is not None:
         n_tiles_partner,  # n-tiles of a second GEMM that must split at the same expert (own count when alone)
         wave_size,  # W: programs one wave runs
         stride_am, stride_ak,  # A strides
-        stride_wn, stride_wk,  # strides of every expert's weight view
+        stride_wn, stride_wk,  # strides of every expert's weight view ((K, 1), or (1, N) for [K, N] storage)
         stride_om, stride_on,  # output strides
+        alpha,  # fp32 sigmoid gain of ACTIVATION 1
+        limit,  # fp32 clamp of gate (above) and up (both sides) when CLAMP
+        up_offset,  # fp32 added to up before the product (gpt-oss: 1)
         PART: tl.constexpr,  # 0 all experts, 1 first (local prefix), 2 second (the rest)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -197,7 +254,11 @@ if triton is not None:
         HAS_SCALE: tl.constexpr,
         SCATTER_OUT: tl.constexpr,  # output row of sorted row m is slots[m] (or its token with ATOMIC_OUT)
         ATOMIC_OUT: tl.constexpr,  # accumulate into token rows with atomics (fp32 output)
-        SWIGLU: tl.constexpr,  # weight rows [0, N_OUT) gate, [N_OUT, 2 N_OUT) up; out = silu(gate) * up
+        HAS_BIAS: tl.constexpr,  # add each expert's bias row before the epilogue
+        GATED: tl.constexpr,  # weight rows hold gate and up halves (N = 2 N_OUT); out = act(gate) * (up + up_offset)
+        INTERLEAVED: tl.constexpr,  # gate row 2n, up row 2n + 1 (else gate row n, up row N_OUT + n)
+        ACTIVATION: tl.constexpr,  # 0 none, 1 silu(alpha), 2 gelu (tanh), 3 relu^2
+        CLAMP: tl.constexpr,  # clamp gate and up by limit before the activation
         FP32_DOT: tl.constexpr,  # upcast tiles and use IEEE fp32 dots
     ):
         pid = tl.program_id(0)
@@ -260,17 +321,24 @@ if triton is not None:
                 a_rows = slots // top_k
             else:
                 a_rows = rows.to(tl.int64)
-            cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
             col_mask = cols < N_OUT
+            # Weight rows behind each output feature: the gate (or only) row, and the up row.
+            if GATED and INTERLEAVED:
+                w_rows = 2 * cols
+                up_rows = 2 * cols + 1
+            else:
+                w_rows = cols
+                up_rows = cols + N_OUT
             ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
             # Base of this expert's weights, wherever its buffer is; 16-byte alignment checked on host.
             w_base = tl.multiple_of(tl.load(w_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
-            w_ptrs = w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+            w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            if SWIGLU:
-                up_ptrs = w_ptrs + N_OUT * stride_wn  # up half sits N_OUT rows below the gate half
+            if GATED:
+                up_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
                 acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k_mask = ks < K - k0
@@ -280,7 +348,7 @@ if triton is not None:
                     acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(a, w, acc)
-                if SWIGLU:
+                if GATED:
                     w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                     if FP32_DOT:
                         acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
@@ -290,8 +358,19 @@ if triton is not None:
                 a_ptrs += BLOCK_K * stride_ak
                 w_ptrs += BLOCK_K * stride_wk
 
-            if SWIGLU:
-                acc = acc * tl.sigmoid(acc) * acc_up
+            if HAS_BIAS:
+                b_base = tl.load(bias_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty))
+                b_base = tl.multiple_of(b_base, 16)
+                acc += tl.load(b_base + w_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+                if GATED:
+                    acc_up += tl.load(b_base + up_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+            if GATED:
+                if CLAMP:
+                    acc = tl.minimum(acc, limit)
+                    acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+                acc = _activate(acc, alpha, ACTIVATION) * (acc_up + up_offset)
+            else:
+                acc = _activate(acc, alpha, ACTIVATION)
             if HAS_SCALE:
                 scale = tl.load(scale_ptr + slots, mask=row_mask, other=0.0).to(tl.float32)  # [BLOCK_M]
                 acc = acc * scale[:, None]
@@ -387,7 +466,8 @@ def _launch(
     gather_a: bool,
     scatter_out: bool,
     atomic_out: bool,
-    swiglu: bool,
+    epilogue: Epilogue | None,  # None: plain x @ w.T
+    bias: ExpertWeightTable | None,  # E views [N]
     top_k: int,
     split_at: int,
     n_tiles_partner: int | None,
@@ -402,8 +482,9 @@ def _launch(
     grid = (max(1, min(wave_size, max_tiles)),)
     fp32_dot = is_interpreter() or a.dtype == torch.float32
     dummy = expert_offsets  # never read when the matching flag is off
+    ep = epilogue or Epilogue(activation="none", gated=False)
     _grouped_gemm_kernel[grid](
-        a, table.addresses, expert_offsets,
+        a, table.addresses, bias.addresses if bias is not None else dummy, expert_offsets,
         slots if slots is not None else dummy,
         scale if scale is not None else dummy,
         out,
@@ -411,15 +492,28 @@ def _launch(
         n_tiles if n_tiles_partner is None else n_tiles_partner,
         wave_size,
         a.stride(0), a.stride(1),
-        table.shape[1], 1,
+        table.strides[0], table.strides[1],
         out.stride(0), out.stride(1),
+        float(ep.alpha), float(min(ep.limit, 3.0e38)), float(ep.up_offset),
         PART=_PARTS[part],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=triton.next_power_of_2(table.num_experts + 1),
         HAS_SLOTS=slots is not None, GATHER_A=gather_a, HAS_SCALE=scale is not None,
-        SCATTER_OUT=scatter_out, ATOMIC_OUT=atomic_out, SWIGLU=swiglu, FP32_DOT=fp32_dot,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        SCATTER_OUT=scatter_out, ATOMIC_OUT=atomic_out, HAS_BIAS=bias is not None, GATED=ep.gated,
+        INTERLEAVED=ep.interleaved, ACTIVATION=ACTIVATIONS[ep.activation], CLAMP=ep.limit != float("inf"),
+        FP32_DOT=fp32_dot, num_warps=config.num_warps, num_stages=config.num_stages,
     )
+
+
+def _check_bias(bias: ExpertWeightTable | None, weights: ExpertWeightTable, name: str) -> None:
+    if bias is None:
+        return
+    if bias.num_experts != weights.num_experts or bias.shape != (weights.shape[0],):
+        raise ValueError(f"{name} has {bias.num_experts} views of shape {list(bias.shape)}, expected "
+                         f"{weights.num_experts} of [{weights.shape[0]}] (one per expert, N of its weights)")
+    if bias.dtype != weights.dtype or bias.device != weights.device:
+        raise ValueError(f"{name} is {bias.dtype} on {bias.device}, expected {weights.dtype} on {weights.device} "
+                         "like its weights")
 
 
 def grouped_gemm(
@@ -427,7 +521,8 @@ def grouped_gemm(
     expert_offsets: torch.Tensor,
     weights: Sequence[torch.Tensor] | ExpertWeightTable,
     *,
-    activation: Literal["swiglu"] | None = None,
+    activation: Literal["swiglu"] | Epilogue | None = None,
+    bias: Sequence[torch.Tensor] | ExpertWeightTable | None = None,
     row_scale: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     split_at: int | None = None,
@@ -443,7 +538,9 @@ def grouped_gemm(
     weights: E contiguous views [N, K] of x's dtype, in any number of distinct buffers, or an
         `ExpertWeightTable` built once from them. Read in place, never concatenated.
     activation: "swiglu" treats each weight as [gate; up] (N = 2 * N_OUT) and returns
-        silu(x @ gate.T) * (x @ up.T); None returns x @ w.T (N_OUT = N).
+        silu(x @ gate.T) * (x @ up.T); an Epilogue picks another gate or activation; None returns
+        x @ w.T (N_OUT = N).
+    bias: optional E views [N] (or their table), added before the activation.
     row_scale: optional [T] per-row factor applied in fp32 after the activation.
     out: optional [T, N_OUT] output of x's dtype; rows past offsets[E] and, with part set, rows
         of the other part are left untouched.
@@ -473,11 +570,15 @@ def grouped_gemm(
     if table.device != x_sorted.device:
         raise ValueError(f"weights are on {table.device} but x_sorted is on {x_sorted.device}")
     _check_offsets(expert_offsets, table.num_experts, num_rows, x_sorted.device)
-    if activation not in (None, "swiglu"):
-        raise ValueError(f"activation={activation!r} must be None or 'swiglu'")
-    if activation == "swiglu" and n % 2:
-        raise ValueError(f"activation='swiglu' needs an even N (gate and up halves), weights have N={n}")
-    n_out = n // 2 if activation == "swiglu" else n
+    if activation is not None and activation != "swiglu" and not isinstance(activation, Epilogue):
+        raise ValueError(f"activation={activation!r} must be None, 'swiglu' or an Epilogue")
+    epilogue = SWIGLU if activation == "swiglu" else activation
+    gated = epilogue is not None and epilogue.gated
+    if gated and n % 2:
+        raise ValueError(f"activation={activation!r} needs an even N (gate and up halves), weights have N={n}")
+    n_out = n // 2 if gated else n
+    bias_table = None if bias is None else _as_table(bias, "bias", ndim=1)
+    _check_bias(bias_table, table, "bias")
     if row_scale is not None:
         if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (num_rows,):
             raise ValueError(
@@ -502,7 +603,7 @@ def grouped_gemm(
     _launch(
         x_sorted, expert_offsets, table, out,
         num_rows=num_rows, slots=None, scale=row_scale, gather_a=False, scatter_out=False,
-        atomic_out=False, swiglu=activation == "swiglu", top_k=1, split_at=split,
+        atomic_out=False, epilogue=epilogue, bias=bias_table, top_k=1, split_at=split,
         n_tiles_partner=None, part=part, wave_size=config_wave, config=config,
     )
     return out

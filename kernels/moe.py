@@ -1,11 +1,12 @@
-"""Fused MoE expert path over multi-buffer weights: sort, gate_up + SwiGLU, down + routing weight.
+"""Fused MoE expert path over multi-buffer weights: sort, gate_up + gate, down + routing weight.
 
 Legend: T = tokens, k = experts per token, S = T * k token-expert slots (slot = t * k + j),
 H = hidden size, I = expert intermediate size, E = experts in the weight tables.
 
 Two launches of the multi-buffer grouped GEMM, no merge copy and no permute copies:
-  1. gate_up: A rows are gathered from `hidden` through the sorted slots (slot // k), the
-     SwiGLU runs in the epilogue on the fp32 accumulators; h is [S, I] in sorted order.
+  1. gate_up: A rows are gathered from `hidden` through the sorted slots (slot // k), bias and
+     gate (SwiGLU, clamped / interleaved SwiGLU, GELU, relu^2: an Epilogue) run in the epilogue on
+     the fp32 accumulators; h is [S, I] in sorted order.
   2. down: h @ down_e.T, scaled by the routing weight of each slot in the epilogue, and stored
      at the slot's own row of an [S, H] buffer (combine="sum"), which a reshape + sum over k
      brings to token order; or added with fp32 atomics straight into [T, H] (combine="atomic").
@@ -25,9 +26,12 @@ from typing import Literal
 import torch
 
 from .grouped_gemm import (
+    SWIGLU,
+    Epilogue,
     ExpertWeightTable,
     GroupedGemmConfig,
     _as_table,
+    _check_bias,
     _check_device,
     _check_split,
     _launch,
@@ -58,18 +62,25 @@ def moe_experts(
     gate_up: Sequence[torch.Tensor] | ExpertWeightTable,
     down: Sequence[torch.Tensor] | ExpertWeightTable,
     *,
+    first_bias: Sequence[torch.Tensor] | ExpertWeightTable | None = None,
+    down_bias: Sequence[torch.Tensor] | ExpertWeightTable | None = None,
+    epilogue: Epilogue | None = None,
     combine: Literal["sum", "atomic"] = "sum",
     split_at: int | None = None,
     on_local_done: Callable[[], None] | None = None,
     wave_size: int | None = None,
     config: GroupedGemmConfig | None = None,
 ) -> torch.Tensor:
-    """The experts part of one MoE layer: out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t).
+    """The experts part of one MoE layer: out[t] = sum_j w[t, j] * down_e(act(gate_e x_t) * up_e x_t).
 
     hidden: [T, H] bf16/fp16/fp32, contiguous. top_k_index: [T, k] integer ids in [0, E) (values
         are checked on CPU only). top_k_weights: [T, k] float routing weights.
-    gate_up: E views [2I, H] ([gate; up] halves) or their ExpertWeightTable; down: E views [H, I].
-        The views may sit in any number of buffers (local parameter, prefetch slots).
+    gate_up: E views [2I, H] ([gate; up] halves, or interleaved rows) or their ExpertWeightTable;
+        [I, H] (up only) when the epilogue is not gated. down: E views [H, I]. A view may be the
+        transpose of a contiguous [in, out] tensor. The views may sit in any number of buffers
+        (local parameter, prefetch slots).
+    first_bias, down_bias: optional E views [2I] (or [I]) and [H], added before the epilogue.
+    epilogue: the gate of the first GEMM (default SwiGLU: silu(gate) * up, [gate; up] halves).
     combine: "sum" (deterministic, [S, H] buffer reduced over k) or "atomic" (fp32 atomics).
     split_at: local-first scheduling with experts [0, split_at) local: both GEMMs first run the
         wave-aligned local prefix, then `on_local_done()` is called (e.g. make the compute stream
@@ -78,8 +89,13 @@ def moe_experts(
     """
     _require_triton()
     config = config or GroupedGemmConfig()
+    epilogue = epilogue or SWIGLU
     gate_up_table = _as_table(gate_up, "gate_up")
     down_table = _as_table(down, "down")
+    first_bias_table = None if first_bias is None else _as_table(first_bias, "first_bias", ndim=1)
+    down_bias_table = None if down_bias is None else _as_table(down_bias, "down_bias", ndim=1)
+    _check_bias(first_bias_table, gate_up_table, "first_bias")
+    _check_bias(down_bias_table, down_table, "down_bias")
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden must be a 2-D tensor [T, H], got {getattr(hidden, 'shape', type(hidden))}")
     if not hidden.is_contiguous():
@@ -88,9 +104,9 @@ def moe_experts(
     num_tokens, hidden_dim = hidden.shape
     num_experts = gate_up_table.num_experts
     two_i, h_gate_up = gate_up_table.shape
-    if two_i % 2:
+    if epilogue.gated and two_i % 2:
         raise ValueError(f"gate_up views have {two_i} rows, expected 2I (gate and up halves)")
-    inter = two_i // 2
+    inter = two_i // 2 if epilogue.gated else two_i
     if h_gate_up != hidden_dim:
         raise ValueError(f"gate_up views are [{two_i}, {h_gate_up}] but hidden has H={hidden_dim}")
     if down_table.num_experts != num_experts:
@@ -145,13 +161,13 @@ def moe_experts(
         _launch(
             hidden, expert_offsets, gate_up_table, h,
             num_rows=num_slots, slots=slots, scale=None, gather_a=True, scatter_out=False,
-            atomic_out=False, swiglu=True, top_k=top_k, split_at=split,
+            atomic_out=False, epilogue=epilogue, bias=first_bias_table, top_k=top_k, split_at=split,
             n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
         )
         _launch(
             h, expert_offsets, down_table, out,
             num_rows=num_slots, slots=slots, scale=slot_weights, gather_a=False, scatter_out=True,
-            atomic_out=combine == "atomic", swiglu=False, top_k=top_k, split_at=split,
+            atomic_out=combine == "atomic", epilogue=None, bias=down_bias_table, top_k=top_k, split_at=split,
             n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
         )
     if combine == "sum":

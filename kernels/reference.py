@@ -10,18 +10,22 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .grouped_gemm import SWIGLU, Epilogue
+
 
 def grouped_gemm_reference(
     x_sorted: torch.Tensor,
     expert_offsets: torch.Tensor | Sequence[int],
     weights: Sequence[torch.Tensor],
+    biases: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """out[rows of e] = x_sorted[rows of e] @ weights[e].T for each expert e.
+    """out[rows of e] = x_sorted[rows of e] @ weights[e].T (+ biases[e]) for each expert e.
 
     x_sorted: [T, K], rows grouped by expert in table order.
     expert_offsets: [E + 1] row offsets (offsets[0] = 0, offsets[E] = T), tensor or ints.
     weights: E views [N, K], each wherever its expert lives (local parameter or a prefetch
-        buffer); they are read in place, never concatenated.
+        buffer); they are read in place, never concatenated. A transposed view ([K, N] storage) is fine.
+    biases: optional E views [N], one per expert.
     Returns [T, N] in x_sorted's dtype.
     """
     offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
@@ -31,6 +35,8 @@ def grouped_gemm_reference(
         raise ValueError(f"expert_offsets must run from 0 to T={x_sorted.shape[0]}, got {offsets[0]}..{offsets[-1]}")
     if not weights:
         raise ValueError("weights is empty: expected one [N, K] view per expert")
+    if biases is not None and len(biases) != len(weights):
+        raise ValueError(f"biases has {len(biases)} entries, expected one per expert ({len(weights)})")
     n = weights[0].shape[0]
     out = x_sorted.new_empty(x_sorted.shape[0], n)  # [T, N]
     for e, w in enumerate(weights):
@@ -38,7 +44,7 @@ def grouped_gemm_reference(
         if hi < lo:
             raise ValueError(f"expert_offsets decreases at expert {e}: {lo} > {hi}")
         if hi > lo:
-            out[lo:hi] = F.linear(x_sorted[lo:hi], w)
+            out[lo:hi] = F.linear(x_sorted[lo:hi], w, None if biases is None else biases[e])
     return out
 
 
@@ -48,20 +54,47 @@ def swiglu_reference(gate_up_out: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def _activation(x: torch.Tensor, name: str, alpha: float) -> torch.Tensor:
+    if name == "silu":
+        return x * torch.sigmoid(alpha * x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu2":
+        return torch.relu(x).square()
+    return x
+
+
+def epilogue_reference(h: torch.Tensor, epilogue: Epilogue) -> torch.Tensor:
+    """What the kernel's epilogue does to the first GEMM's output h [T, N1]: [T, N1 / 2] gated, else [T, N1]."""
+    if not epilogue.gated:
+        return _activation(h, epilogue.activation, epilogue.alpha)
+    gate, up = (h[..., 0::2], h[..., 1::2]) if epilogue.interleaved else h.chunk(2, dim=-1)  # [T, I] each
+    if epilogue.limit != float("inf"):
+        gate = gate.clamp(max=epilogue.limit)
+        up = up.clamp(min=-epilogue.limit, max=epilogue.limit)
+    return _activation(gate, epilogue.activation, epilogue.alpha) * (up + epilogue.up_offset)
+
+
 def moe_experts_reference(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     gate_up: Sequence[torch.Tensor],
     down: Sequence[torch.Tensor],
+    *,
+    first_bias: Sequence[torch.Tensor] | None = None,
+    down_bias: Sequence[torch.Tensor] | None = None,
+    epilogue: Epilogue = SWIGLU,
 ) -> torch.Tensor:
-    """out[t] = sum_j w[t, j] * down_e(silu(gate_e x_t) * up_e x_t) with e = top_k_index[t, j].
+    """out[t] = sum_j w[t, j] * down_e(gate(gate_up_e x_t + b1_e)) + b2_e) with e = top_k_index[t, j].
 
     Same semantics as transformers' experts functions: every expert's math in hidden's dtype,
     the routing weight applied to the expert output, the k contributions of a token summed
     over a [T, k, H] buffer (fp32 accumulation inside the sum, one rounding).
     hidden: [T, H]; top_k_index: [T, k] integer expert ids in [0, E); top_k_weights: [T, k].
-    gate_up: E views [2I, H] (first I rows gate, next I rows up); down: E views [H, I].
+    gate_up: E views [2I, H] (gate and up halves, or interleaved rows; [I, H] when the epilogue is
+    not gated); down: E views [H, I]; either may be a transposed view. first_bias: E views [2I];
+    down_bias: E views [H]. epilogue: the gate (default silu(gate) * up).
     Returns [T, H] in hidden's dtype.
     """
     if len(gate_up) != len(down):
@@ -73,7 +106,9 @@ def moe_experts_reference(
         token_idx, pos = torch.where(top_k_index == e)  # [n_e] each
         if token_idx.numel() == 0:
             continue
-        h = swiglu_reference(F.linear(hidden[token_idx], gate_up[e]))  # [n_e, I]
-        y = F.linear(h, down[e])  # [n_e, H]
+        b1 = None if first_bias is None else first_bias[e]
+        b2 = None if down_bias is None else down_bias[e]
+        h = epilogue_reference(F.linear(hidden[token_idx], gate_up[e], b1), epilogue)  # [n_e, I]
+        y = F.linear(h, down[e], b2)  # [n_e, H]
         per_slot[token_idx, pos] = y * top_k_weights[token_idx, pos, None].to(y.dtype)
     return per_slot.sum(dim=1)

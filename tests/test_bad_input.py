@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from dwdp.adapters import Unsupported
 from dwdp.config import DWDPConfig
 from dwdp.experts import dwdp_experts_forward
 from dwdp.group import DWDPGroup, init_group
@@ -23,18 +24,67 @@ def mixtral(mixtral_state):
 
 def test_model_without_moe_layers():
     dense = build_tiny_model("qwen3_moe", mlp_only_layers=[0, 1, 2])
-    with pytest.raises(ValueError, match="no MoE layers"):
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM has no MoE experts modules"):
         DWDPModel(dense, DWDPConfig(), DWDPGroup(0, 1))
 
 
-def test_unsupported_family():
+def test_dense_family():
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     llama = AutoModelForCausalLM.from_config(
         LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
     )
-    with pytest.raises(ValueError, match="model_type='llama' is not supported"):
+    with pytest.raises(ValueError, match="LlamaForCausalLM has no MoE experts modules"):
         DWDPModel(llama, DWDPConfig(), DWDPGroup(0, 1))
+
+
+def test_default_gate_without_act_fn_is_refused_not_a_crash(mixtral):
+    """Regression: a module with transformers' default gate but no act_fn crashed in uses_default_swiglu."""
+    del mixtral.model.layers[1].mlp.experts.act_fn
+    with pytest.raises(Unsupported, match=r"model.layers.1.mlp.experts \(MixtralExperts\) cannot be wrapped: act_fn "
+                                          r"is missing: the experts apply act_fn\(gate\) \* up"):
+        DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
+
+
+def test_expert_weights_of_the_wrong_shape(mixtral):
+    experts = mixtral.model.layers[0].mlp.experts
+    experts.down_proj = torch.nn.Parameter(torch.randn(8, 32, 40))
+    with pytest.raises(Unsupported, match=r"model.layers.0.mlp.experts \(MixtralExperts\) cannot be wrapped: down_proj "
+                                          r"has shape \[8, 32, 40\] next to gate_up_proj \[8, 96, 32\]"):
+        DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
+
+
+class OddExperts(torch.nn.Module):
+    """Stacked [E, out, in] weights behind an interface no adapter knows."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(8, 16, 32))
+
+    def forward(self, x, expert_sizes):
+        return x
+
+
+def test_experts_like_module_no_adapter_takes(mixtral):
+    """A module named like experts that nothing wraps is refused by name, class and attribute."""
+    mixtral.model.layers[2].mlp = OddExperts()
+    with pytest.raises(Unsupported, match=r"model.layers.2.mlp \(OddExperts\) cannot be wrapped: weight "
+                                          r"\[8, 16, 32\] is driven by OddExperts.forward\(x, expert_sizes\)"):
+        DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
+
+
+def test_layers_with_different_experts(mixtral):
+    experts = mixtral.model.layers[2].mlp.experts
+    experts.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj[:, :64].clone())
+    experts.down_proj = torch.nn.Parameter(experts.down_proj[..., :32].clone())
+    with pytest.raises(ValueError, match=r"model.layers.2.mlp.experts has experts .*expected .* like "
+                                         r"model.layers.0.mlp.experts: every MoE layer shares one segment layout"):
+        DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))
+
+
+def test_bad_expert_biases_value():
+    with pytest.raises(ValueError, match="expert_biases='sometimes' is not one of"):
+        DWDPConfig(expert_biases="sometimes")
 
 
 def test_group_larger_than_expert_count(mixtral):
@@ -90,3 +140,11 @@ def test_one_rank_in_process_matches_and_cleans_up(monkeypatch, tmp_path, mixtra
         torch.testing.assert_close(wrapped(ids).logits, reference, atol=1e-5, rtol=1e-5)
         assert wrapped.config is mixtral.config  # attributes of the model pass through
     assert list(tmp_path.iterdir()) == []
+
+
+def test_unwrappable_experts_next_to_wrapped_ones_are_refused(mixtral):
+    """Experts dwdp cannot handle elsewhere in a layer (say, attention experts) refuse the whole model,
+    even when the layer's MLP experts could be wrapped."""
+    mixtral.model.layers[1].self_attn.extra = OddExperts()
+    with pytest.raises(Unsupported, match=r"model.layers.1.self_attn.extra \(OddExperts\) cannot be wrapped"):
+        DWDPModel(mixtral, DWDPConfig(), DWDPGroup(0, 1))

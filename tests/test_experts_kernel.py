@@ -3,12 +3,16 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dwdp.adapters import find_experts
 from dwdp.config import DWDPConfig
+from dwdp.experts_kernel import identify_epilogue
+from dwdp.kernels import Epilogue
 from dwdp.group import init_group, launch_local
 from dwdp.model import DWDPModel
 from dwdp.tiny import build_tiny_model
 
-MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor")
+MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor", "aten.clone",
+             "aten.contiguous", "aten._to_copy", "aten.copy_")
 
 
 class OpLog(TorchDispatchMode):
@@ -24,27 +28,36 @@ class OpLog(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# family -> DWDPConfig changes: plain SwiGLU, and the layouts the kernel grew (gpt-oss: biases moving
+# with their expert, weights stored [in, out], interleaved clamped gate; Nemotron-H: up only, relu^2).
+TRITON_CASES = {"mixtral": {}, "deepseek_v3": {}, "gpt_oss": dict(expert_biases="move"), "nemotron_h": {}}
+
+
 def _rank(rank: int) -> dict:
     group = init_group()
     out = {}
-    for family in ("mixtral", "deepseek_v3"):
+    for family, changes in TRITON_CASES.items():
         model = build_tiny_model(family, seed=2)
         ids = torch.randint(3, 128, (2, 5 + rank), generator=torch.Generator().manual_seed(rank))
         with torch.no_grad():
             reference = model(ids).logits
-        with DWDPModel(model, DWDPConfig(experts_kernel="triton"), group) as wrapped, torch.no_grad():
+        with DWDPModel(model, DWDPConfig(experts_kernel="triton", **changes), group) as wrapped, torch.no_grad():
             out[family] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel)
-    model = build_tiny_model("mixtral", seed=4)
-    weight_shapes = {tuple(model.model.layers[0].mlp.experts.gate_up_proj.shape[1:]),
-                     tuple(model.model.layers[0].mlp.experts.down_proj.shape[1:])}
-    with DWDPModel(model, DWDPConfig(experts_kernel="reference"), group) as wrapped, torch.no_grad():
-        log = OpLog()
-        with log:
-            wrapped(torch.randint(3, 128, (2, 6)))
-    merges = [(op, shapes) for op, shapes in log.ops
-              if op.startswith(MERGE_OPS) and any(s[-2:] in weight_shapes for s in shapes if len(s) >= 2)]
-    out["merge_ops"] = merges
-    out["num_ops"] = len(log.ops)
+    # Reference path: weights are read where they live, transposed ones through views, never copied.
+    out["merge_ops"], out["num_ops"] = [], 0
+    for family, changes in (("mixtral", {}), ("gpt_oss", dict(expert_biases="move"))):
+        model = build_tiny_model(family, seed=4)
+        experts = find_experts(model)[0].module
+        weight_shapes = {s for t in (experts.gate_up_proj, experts.down_proj) for s in (t.shape[1:], t.shape[1:][::-1])}
+        with DWDPModel(model, DWDPConfig(experts_kernel="reference", **changes), group) as wrapped, torch.no_grad():
+            log = OpLog()
+            with log:
+                wrapped(torch.randint(3, 128, (2, 6)))
+        out["merge_ops"] += [
+            (family, op, shapes) for op, shapes in log.ops
+            if op.startswith(MERGE_OPS) and any(s[-2:] in weight_shapes for s in shapes if len(s) >= 2)
+        ]
+        out["num_ops"] += len(log.ops)
     return out
 
 
@@ -52,7 +65,7 @@ def _rank(rank: int) -> dict:
 def test_triton_experts_path_equals_unwrapped_and_reference_path_merges_nothing():
     results = launch_local(_rank, 2, timeout_s=280, env={"TRITON_INTERPRET": "1"})
     for rank, r in enumerate(results):
-        for family in ("mixtral", "deepseek_v3"):
+        for family in TRITON_CASES:
             diff, kernel = r[family]
             assert kernel == "triton"
             assert diff <= 1e-4, f"{family} rank {rank}: triton experts path max|diff|={diff:.3e}"
@@ -62,10 +75,27 @@ def test_triton_experts_path_equals_unwrapped_and_reference_path_merges_nothing(
 
 def test_explicit_triton_on_unsupported_activation_is_an_error():
     model = build_tiny_model("mixtral", seed=1, hidden_act="gelu")
-    with pytest.raises(ValueError, match="experts_kernel='triton' needs silu"):
+    with pytest.raises(ValueError, match=r"experts_kernel='triton' cannot run model.layers.0.mlp.experts "
+                                         r"\(MixtralExperts\): its gate \(GELUActivation\(gate\) \* up\) is none "
+                                         r"of the kernel's epilogues"):
         DWDPModel(model, DWDPConfig(experts_kernel="triton"), init_group())
 
 
 def test_bad_experts_kernel_value():
     with pytest.raises(ValueError, match="experts_kernel='cutlass'"):
         DWDPConfig(experts_kernel="cutlass")
+
+
+@pytest.mark.parametrize("family,expected", [
+    ("mixtral", Epilogue()),
+    ("gemma4", Epilogue(activation="gelu_tanh")),
+    ("nemotron_h", Epilogue(activation="relu2", gated=False)),
+    ("gpt_oss", Epilogue(interleaved=True, alpha=1.702, limit=7.0, up_offset=1.0)),
+    ("minimax_m3_vl", Epilogue(alpha=1.702, limit=7.0, up_offset=1.0)),
+    ("deepseek_v4", Epilogue(limit=10.0)),
+    ("inkling2", None),  # softcapped SwiGLU: reference path
+])
+def test_epilogue_identified_from_the_module_gate(family, expected):
+    """The kernel epilogue is found by probing each family's own gate function, clamp limits included."""
+    layer = find_experts(build_tiny_model(family, seed=0))[0]
+    assert identify_epilogue(layer) == expected, f"{family}: {identify_epilogue(layer)} != {expected}"

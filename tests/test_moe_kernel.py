@@ -13,6 +13,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dwdp.kernels import (  # noqa: E402
+    Epilogue,
     GroupedGemmConfig,
     local_first_split,
     moe_experts,
@@ -203,3 +204,89 @@ def test_bad_arguments_raise_value_error_naming_them(name, change):
     change(args)
     with pytest.raises(ValueError, match=name):
         moe_experts(config=TINY, **args)
+
+
+# Layouts of transformers' experts beyond plain SwiGLU, each against the reference: biases, weights
+# stored [in, out] (read through transposed views), no gate (up only), gate/up rows interleaved with
+# gpt-oss's clamped SwiGLU, GELU-tanh, clamped SiLU.
+LAYOUTS = {
+    "bias": dict(bias=True),
+    "transposed": dict(transposed=True),
+    "no_gate_relu2": dict(epilogue=Epilogue(activation="relu2", gated=False)),
+    "interleaved_gpt_oss": dict(bias=True, transposed=True,
+                                epilogue=Epilogue(interleaved=True, alpha=1.702, limit=7.0, up_offset=1.0)),
+    "gelu_tanh": dict(epilogue=Epilogue(activation="gelu_tanh")),
+    "clamped_silu": dict(epilogue=Epilogue(limit=2.0)),
+}
+
+
+def _layout_case(seed, layout, num_experts=7, hidden_dim=40, inter=24, num_tokens=17, top_k=2, num_buffers=3,
+                 dtype=torch.float32):
+    """Views of each expert's tensors spread over `num_buffers` buffers per tensor, in the layout's storage."""
+    gen = torch.Generator().manual_seed(seed)
+    epilogue = layout.get("epilogue", Epilogue())
+    n1 = 2 * inter if epilogue.gated else inter
+    owner = [e % num_buffers for e in range(num_experts)]
+
+    def spread(shape, scale, transposed):
+        # [E_b, *shape] buffers ([E_b, in, out] when transposed); view e is [out, in] either way.
+        stored = (shape[1], shape[0]) if transposed else shape
+        bufs = [(torch.randn(owner.count(b), *stored, generator=gen) * scale).to(dtype) for b in range(num_buffers)]
+        views = [bufs[owner[e]][e // num_buffers] for e in range(num_experts)]
+        return [v.t() for v in views] if transposed else views
+
+    transposed = layout.get("transposed", False)
+    gate_up = spread((n1, hidden_dim), 2 / math.sqrt(hidden_dim), transposed)
+    down = spread((hidden_dim, inter), 1 / math.sqrt(inter), transposed)
+    biases = {}
+    if layout.get("bias"):
+        biases = dict(first_bias=spread((n1,), 0.5, False), down_bias=spread((hidden_dim,), 0.5, False))
+    hidden = torch.randn(num_tokens, hidden_dim, generator=gen).to(dtype)  # [T, H]
+    weights, index = _routing(gen, num_tokens, num_experts, top_k)
+    return hidden, index, weights, gate_up, down, biases, epilogue
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_match_reference(layout, dtype):
+    hidden, index, weights, gate_up, down, biases, epilogue = _layout_case(50, LAYOUTS[layout], dtype=dtype)
+    got = moe_experts(hidden, index, weights, gate_up, down, epilogue=epilogue, config=TINY, **biases)
+    expected = moe_experts_reference(
+        hidden.float(), index, weights.float(), [w.float() for w in gate_up], [w.float() for w in down],
+        epilogue=epilogue, **{k: [b.float() for b in v] for k, v in biases.items()},
+    )
+    _check(got, expected, dtype, layout)
+
+
+@pytest.mark.parametrize("layout", ["interleaved_gpt_oss", "no_gate_relu2"])
+def test_layouts_with_local_first_split(layout):
+    hidden, index, weights, gate_up, down, biases, epilogue = _layout_case(51, LAYOUTS[layout])
+    got = moe_experts(hidden, index, weights, gate_up, down, epilogue=epilogue, split_at=3,
+                      on_local_done=lambda: None, config=TINY, **biases)
+    expected = moe_experts_reference(hidden, index, weights, gate_up, down, epilogue=epilogue, **biases)
+    _check(got, expected, torch.float32, f"{layout} split")
+
+
+def test_epilogue_reference_is_gpt_oss_gate():
+    """The interleaved clamped epilogue is transformers' gpt-oss `_apply_gate`, and the reference
+    clamps: values past the limit change the result."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from dwdp.kernels import epilogue_reference
+
+    class Holder:
+        alpha, limit = 1.702, 7.0
+
+    h = torch.randn(9, 48, generator=torch.Generator().manual_seed(52)) * 8  # [T, 2I], many |x| > 7
+    expected = GptOssExperts._apply_gate(Holder(), h)
+    got = epilogue_reference(h, LAYOUTS["interleaved_gpt_oss"]["epilogue"])
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    unclamped = epilogue_reference(h, Epilogue(interleaved=True, alpha=1.702, up_offset=1.0))
+    assert (unclamped - expected).abs().max() > 1.0, "probe never reached the clamp: the check would be vacuous"
+
+
+def test_bad_bias_raises_value_error_naming_it():
+    hidden, index, weights, gate_up, down, biases, epilogue = _layout_case(53, LAYOUTS["bias"])
+    with pytest.raises(ValueError, match="down_bias"):
+        moe_experts(hidden, index, weights, gate_up, down, first_bias=biases["first_bias"],
+                    down_bias=[b[:8] for b in biases["down_bias"]], config=TINY)

@@ -63,9 +63,9 @@ def test_model_hooks_push_forward_attention_router_balanced():
     from dwdp.tiny import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", num_layers=2)
-    _, experts = find_experts(model)
+    layers = find_experts(model)
     module, domain = _fake_nvtx()
-    handles = attach_nvtx_hooks(model, NvtxRanges(module), [name for name, _ in experts])
+    handles = attach_nvtx_hooks(model, NvtxRanges(module), [layer.name for layer in layers])
     with torch.no_grad():
         model(input_ids=torch.randint(3, 100, (1, 5), generator=torch.Generator().manual_seed(0)))
     for h in handles:

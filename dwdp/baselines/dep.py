@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..adapters import find_experts
+from ..adapters import find_experts, route_experts
+from ..expert_math import combine, expert_mlp, plain_routing_layers, sort_by_expert
+from ..expert_tensors import ExpertsSpec
 from ..group import DWDPGroup, init_group
 from ..model import MemoryReport
 from ..wrapping import ModelWrapper, dense_bytes, tensor_bytes
-from ..expert_math import combine, expert_mlp, sort_by_expert
 
 DEP_IMPLEMENTATION = "dwdp_dep"
 
@@ -84,6 +85,7 @@ class DEPRuntime:
     max_local: int                # L
     pad_index: torch.Tensor       # [G * L] int64: expert id at (rank, local slot), E for an empty slot
     stats: CommStats
+    spec: ExpertsSpec             # the layer's expert tensors and math
 
 
 def _all_to_all(rt: DEPRuntime, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
@@ -131,8 +133,8 @@ def dep_experts_forward(
     _, regroup = torch.sort(row_expert, stable=True)                            # [R]
     num_local = rt.starts[rt.rank + 1] - rt.starts[rt.rank]
     rows_per_expert = recv_matrix.sum(0)[:num_local].tolist()
-    weights = (self.gate_up_proj.unbind(0), self.down_proj.unbind(0))          # this rank's experts only
-    y_grouped = expert_mlp(self, x_recv[regroup], rows_per_expert, *weights)  # [R, H] grouped by expert
+    views = {t.name: t.stored(self).unbind(0) for t in rt.spec.tensors}        # this rank's experts only
+    y_grouped = expert_mlp(rt.spec.math, x_recv[regroup], rows_per_expert, views)  # [R, H] grouped by expert
     y_recv = torch.empty_like(y_grouped)                                        # [R, H] in arrival order
     y_recv[regroup] = y_grouped
 
@@ -141,13 +143,6 @@ def dep_experts_forward(
     rt.stats.rows_sent += x_send.shape[0]
     rt.stats.rows_received += x_recv.shape[0]
     return combine(y_send, perm, top_k_weights, hidden_states.dtype)
-
-
-def register_dep_implementation() -> None:
-    """Make 'dwdp_dep' a valid `experts_implementation` of transformers (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    ALL_EXPERTS_FUNCTIONS.register(DEP_IMPLEMENTATION, dep_experts_forward)
 
 
 class DEPModel(ModelWrapper):
@@ -164,37 +159,36 @@ class DEPModel(ModelWrapper):
 
     def __init__(self, model: torch.nn.Module, group: DWDPGroup | None = None):
         super().__init__()
-        adapter, experts = find_experts(model)  # validates the model before any collective
+        # Validates the model before any collective.
+        layers = plain_routing_layers(find_experts(model), "DEPModel")
         group = group if group is not None else init_group()
-        first = experts[0][1]
-        num_experts = first.num_experts
-        for name, module in experts:
-            if module.num_experts != num_experts:
+        num_experts = layers[0].spec.num_experts
+        for layer in layers:
+            if layer.spec.num_experts != num_experts:
                 raise ValueError(
-                    f"{name} has {module.num_experts} experts; expected {num_experts} like {experts[0][0]}")
+                    f"{layer.name} has {layer.spec.num_experts} experts; expected {num_experts} like {layers[0].name}")
         starts = expert_split(num_experts, group.size)
         lo, hi = starts[group.rank], starts[group.rank + 1]
         max_local = max(b - a for a, b in zip(starts, starts[1:]))
         pad = [[starts[r] + j if starts[r] + j < starts[r + 1] else num_experts for j in range(max_local)]
                for r in range(group.size)]
-        full = tensor_bytes(t for _, m in experts for t in adapter.expert_tensors(m))
-        device = first.gate_up_proj.device
+        full = tensor_bytes(t.stored(layer.module) for layer in layers for t in layer.spec.tensors)
+        device = layers[0].spec.tensors[0].stored(layers[0].module).device
         self.stats = CommStats()
-        for _, module in experts:
-            # Clones, so dropping the stacked [E, ...] parameters frees the other ranks' experts.
-            local = tuple(t.detach()[lo:hi].clone() for t in adapter.expert_tensors(module))  # [hi - lo, ...]
-            adapter.replace_tensors(module, local)
-            module._dep_runtime = DEPRuntime(
+        for layer in layers:
+            for t in layer.spec.tensors:
+                # Clones, so dropping the stacked [E, ...] tensors frees the other ranks' experts.
+                t.replace(layer.module, t.stacked(layer.module, num_experts).detach()[lo:hi].clone())  # [hi - lo, ...]
+            layer.module._dep_runtime = DEPRuntime(
                 group.rank, group.size, group.process_group if group.size > 1 else None, starts, max_local,
-                torch.tensor(pad, dtype=torch.long, device=device).reshape(-1), self.stats,
+                torch.tensor(pad, dtype=torch.long, device=device).reshape(-1), self.stats, layer.spec,
             )
-        local_tensors = [t for _, m in experts for t in adapter.expert_tensors(m)]
+        local_tensors = [t.stored(layer.module) for layer in layers for t in layer.spec.tensors]
         self.model = model
         self.group = group
         self.starts = starts
-        self.experts_modules = [m for _, m in experts]
-        register_dep_implementation()
-        model.set_experts_implementation(DEP_IMPLEMENTATION)
+        self.experts_modules = [layer.module for layer in layers]
+        route_experts(model, layers, DEP_IMPLEMENTATION, dep_experts_forward)
         self.memory = MemoryReport(
             full_expert_bytes=full, local_expert_bytes=tensor_bytes(local_tensors), prefetch_buffer_bytes=0,
             dense_bytes=dense_bytes(model, local_tensors),
@@ -205,8 +199,9 @@ class DEPModel(ModelWrapper):
         """Take part in one step without work of its own: every MoE layer's all-to-alls, zero rows
         sent, the rows other ranks route to this rank's experts computed and returned."""
         for module in self.experts_modules:
-            weight = module.down_proj                                          # [L, H, I]
-            empty = weight.new_empty(0, weight.shape[1])                       # [0, H]
+            spec = module._dep_runtime.spec
+            weight = spec.tensor(spec.math.down).stored(module)                # [L, ...]
+            empty = weight.new_empty(0, spec.hidden_size)                      # [0, H]
             index = torch.empty(0, 1, dtype=torch.long, device=weight.device)  # [0, 1]
             dep_experts_forward(module, empty, index, weight.new_empty(0, 1))
         self.stats.idle_steps += 1

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..adapters import find_experts
+from ..adapters import find_experts, route_experts
+from ..expert_math import combine, expert_mlp, plain_routing_layers, sort_by_expert
 from ..model import MemoryReport
 from ..wrapping import ModelWrapper, dense_bytes, tensor_bytes
-from ..expert_math import combine, expert_mlp, sort_by_expert
 
 REPLICATED_IMPLEMENTATION = "dwdp_replicated"
 
@@ -24,18 +24,13 @@ def replicated_experts_forward(
     top_k_weights: torch.Tensor,
 ) -> torch.Tensor:
     """hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k] -> [T, H], all experts local."""
+    spec = self._replicated_spec
     top_k = top_k_index.shape[1]
-    perm, counts = sort_by_expert(top_k_index, self.gate_up_proj.shape[0])  # [S], [E]
+    perm, counts = sort_by_expert(top_k_index, spec.num_experts)            # [S], [E]
     x_sorted = hidden_states[perm // top_k]                                  # [S, H]
-    y_sorted = expert_mlp(self, x_sorted, counts.tolist(), self.gate_up_proj.unbind(0), self.down_proj.unbind(0))
+    views = {t.name: t.stacked(self, spec.num_experts).unbind(0) for t in spec.tensors}
+    y_sorted = expert_mlp(spec.math, x_sorted, counts.tolist(), views)       # [S, H]
     return combine(y_sorted, perm, top_k_weights, hidden_states.dtype)
-
-
-def register_replicated_implementation() -> None:
-    """Make 'dwdp_replicated' a valid `experts_implementation` of transformers (idempotent)."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    ALL_EXPERTS_FUNCTIONS.register(REPLICATED_IMPLEMENTATION, replicated_experts_forward)
 
 
 class ReplicatedModel(ModelWrapper):
@@ -47,13 +42,14 @@ class ReplicatedModel(ModelWrapper):
 
     def __init__(self, model: torch.nn.Module):
         super().__init__()
-        adapter, experts = find_experts(model)
-        expert_tensors = [t for _, m in experts for t in adapter.expert_tensors(m)]
+        layers = plain_routing_layers(find_experts(model), "ReplicatedModel")
+        expert_tensors = [t.stored(layer.module) for layer in layers for t in layer.spec.tensors]
         full = tensor_bytes(expert_tensors)
         self.model = model
-        self.experts_modules = [m for _, m in experts]
-        register_replicated_implementation()
-        model.set_experts_implementation(REPLICATED_IMPLEMENTATION)
+        self.experts_modules = [layer.module for layer in layers]
+        for layer in layers:
+            layer.module._replicated_spec = layer.spec
+        route_experts(model, layers, REPLICATED_IMPLEMENTATION, replicated_experts_forward)
         self.memory = MemoryReport(
             full_expert_bytes=full, local_expert_bytes=full, prefetch_buffer_bytes=0,
             dense_bytes=dense_bytes(model, expert_tensors),

@@ -1,0 +1,135 @@
+"""Which MoE layers the Triton experts kernel runs, with which epilogue, and its weight tables.
+
+The kernel computes y = epilogue(x @ W1^T + b1) @ W2^T + b2 for one fused first projection W1
+(gate_up, or up without a gate), weights stored [out, in] or transposed, biases optional; the
+epilogue is one of a few gates (dwdp.kernels.Epilogue). A layer's own gate function is identified
+by evaluating it on a seeded random probe, wide enough to reach any clamp, and comparing it with
+each epilogue the kernel implements; clamp limit and sigmoid gain come from the module's
+attributes. Anything else (two first projections, a post-expert norm, routing weight on the
+input, identity experts, a gate no epilogue reproduces) runs on the reference path.
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .adapters import ExpertsLayer
+from .expert_tensors import ALIGN_BYTES, ExpertsSpec
+from .experts import KernelTables, LayerTables
+
+_PROBE_ROWS = 64
+_PROBE_SCALE = 8.0  # |x| up to ~30: past any clamp limit in use (7 for gpt-oss)
+_LIMIT_ATTRS = ("limit", "swiglu_limit")
+_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+
+
+def _attr(module: torch.nn.Module, names: tuple[str, ...], default: float) -> float:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return default
+
+
+def _candidates(module: torch.nn.Module, gated: bool, interleaved_hint: bool):
+    from .kernels import Epilogue
+
+    if not gated:
+        for act in ("relu2", "silu", "gelu_tanh"):
+            yield Epilogue(activation=act, gated=False)
+        return
+    alpha = _attr(module, _ALPHA_ATTRS, 1.0)
+    limit = _attr(module, _LIMIT_ATTRS, float("inf"))
+    layouts = (True, False) if interleaved_hint else (False, True)
+    for interleaved, act, (a, lim), offset in itertools.product(
+        layouts, ("silu", "gelu_tanh"), {(1.0, float("inf")), (alpha, limit), (1.0, limit)}, (0.0, 1.0)
+    ):
+        if act != "silu" and a != 1.0:
+            continue
+        yield Epilogue(activation=act, gated=True, interleaved=interleaved, alpha=a, limit=lim, up_offset=offset)
+
+
+def identify_epilogue(layer: ExpertsLayer):
+    """The kernel Epilogue that reproduces the layer's gate on a seeded random probe, or None."""
+    from .kernels import epilogue_reference
+
+    spec = layer.spec
+    first = spec.tensor(spec.math.first[0])
+    n1 = first.shape[1] if first.name in spec.math.transposed else first.shape[0]
+    probe = torch.randn(_PROBE_ROWS, n1, generator=torch.Generator().manual_seed(0)) * _PROBE_SCALE  # [R, N1]
+    try:
+        with torch.no_grad():
+            expected = spec.math.gate(probe)
+    except Exception:  # a gate that cannot run on a plain fp32 tensor is not one the kernel knows
+        return None
+    gated = bool(spec.extras.get("has_gate", True))
+    for epilogue in _candidates(layer.module, gated, bool(spec.extras.get("interleaved"))):
+        got = epilogue_reference(probe, epilogue)
+        if got.shape == expected.shape and torch.allclose(got, expected, rtol=1e-5, atol=1e-5):
+            return epilogue
+    return None
+
+
+def kernel_blocker(layer: ExpertsLayer) -> str | None:
+    """Why the Triton kernel cannot run this layer, or None when it can."""
+    spec: ExpertsSpec = layer.spec
+    math = spec.math
+    if len(math.first) != 1:
+        return f"its first projection is {len(math.first)} separate tensors {list(math.first)}"
+    if math.post_norm is not None:
+        return "it applies a norm after each expert"
+    if math.weights_on_input:
+        return "its routing weight scales the expert's input"
+    if math.num_identity_experts:
+        return f"it has {math.num_identity_experts} identity experts"
+    dtypes = {t.dtype for t in spec.tensors}
+    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+        return f"its expert tensors have dtypes {sorted(map(str, dtypes))}"
+    unaligned = [t.name for t in spec.replicated if t.nbytes % ALIGN_BYTES]
+    if unaligned:
+        # Tensors that stay on every rank are read as rows of the module's [E, ...] tensor.
+        return f"rows of {unaligned} are not {ALIGN_BYTES}-byte aligned"
+    if identify_epilogue(layer) is None:
+        return f"its gate ({math.gate_label}) is none of the kernel's epilogues"
+    return None
+
+
+def epilogue_of(layer: ExpertsLayer):
+    epilogue = identify_epilogue(layer)
+    if epilogue is None:
+        raise ValueError(f"{layer.name}: the Triton experts kernel has no epilogue for {layer.spec.math.gate_label}")
+    return epilogue
+
+
+def choose_experts_kernel(requested: str, device: torch.device, layers: list[ExpertsLayer]) -> str:
+    """"triton" for CUDA models whose every layer the kernel runs, "reference" otherwise; an explicit
+    "triton" that cannot work is an error naming the layer and the reason, not a silent fallback."""
+    if requested == "reference" or (requested == "auto" and device.type != "cuda"):
+        return "reference"
+    for layer in layers:
+        blocker = kernel_blocker(layer)
+        if blocker is not None:
+            if requested == "triton":
+                raise ValueError(f"experts_kernel='triton' cannot run {layer.name} ({type(layer.module).__name__}): "
+                                 f"{blocker}")
+            return "reference"
+    return "triton"
+
+
+def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables) -> KernelTables:
+    """The Triton path's address tables of one slot's per-expert views (built once, reused)."""
+    from .kernels import expert_weight_table
+
+    math = spec.math
+
+    def weights(name: str):
+        views = tables[name]
+        if name in math.transposed:
+            views = [v.t() for v in views]  # [in, out] storage as an [out, in] view
+        return expert_weight_table(views, name=name)
+
+    def bias(name: str | None):
+        return None if name is None else expert_weight_table(tables[name], name=name, ndim=1)
+
+    return KernelTables(weights(math.first[0]), weights(math.down), bias(math.first_bias[0]), bias(math.down_bias))
