@@ -59,29 +59,37 @@ def arrivals(rate: float, num_requests: int, duration_s: float, clients: int, is
 
 
 async def _one(http: httpx.AsyncClient, url: str, ids: list[int]) -> dict:
+    """One request; `done` is the perf_counter time its answer (or transport error) came back."""
     sent = time.perf_counter()
     try:
         r = await http.post(f"{url}/v1/prefill", json={"input_ids": ids})
     except httpx.HTTPError as exc:
-        return {"status": "transport", "error": type(exc).__name__, "ttft_s": time.perf_counter() - sent}
-    ttft = time.perf_counter() - sent
+        done = time.perf_counter()
+        return {"status": "transport", "error": type(exc).__name__, "message": str(exc), "ttft_s": done - sent,
+                "done": done}
+    done = time.perf_counter()
+    ttft = done - sent
     body = r.json()
     if r.status_code != 200:
-        return {"status": r.status_code, "error": body.get("error", {}).get("type", "?"), "ttft_s": ttft}
+        error = body.get("error", {})
+        return {"status": r.status_code, "error": error.get("type", "?"), "message": error.get("message", ""),
+                "ttft_s": ttft, "done": done}
     try:
         os.unlink(body["kv"]["path"])
     except OSError:
         pass  # a server elsewhere, or already consumed
-    return {"status": 200, "ttft_s": ttft, "tokens": body["prompt_tokens"], "rank": body["rank"],
-            "queue_s": body["timing"]["queue_s"], "prefill_s": body["timing"]["prefill_s"],
-            "batch_size": body["timing"]["batch_size"]}
+    return {"status": 200, "ttft_s": ttft, "done": done, "tokens": body["prompt_tokens"], "rank": body["rank"],
+            "first_token_id": body["first_token_id"], "queue_s": body["timing"]["queue_s"],
+            "prefill_s": body["timing"]["prefill_s"], "batch_size": body["timing"]["batch_size"],
+            "batch_tokens": body["timing"]["batch_tokens"]}
 
 
-async def run_rate(url: str, plan: list, timeout_s: float) -> tuple[list[dict], float]:
-    """Send every request of `plan` at its time, whatever is still in flight (open loop)."""
+async def run_rate(url: str, plan: list, timeout_s: float, start: float | None = None) -> tuple[list[dict], float]:
+    """Send every request of `plan` at its time after `start` (perf_counter; default now), whatever
+    is still in flight (open loop)."""
     limits = httpx.Limits(max_connections=len(plan) + 1, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         tasks = []
         for at, _, ids in plan:
             delay = start + at - time.perf_counter()
