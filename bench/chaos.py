@@ -35,7 +35,7 @@ from dwdp.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
 from dwdp.timing import load_average_1min, machine
-from serve_load import arrivals, run_rate
+from serve_load import arrivals, command_line, render_table, run_rate
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("kill", "unreadable", "stall")
@@ -165,9 +165,7 @@ def format_table(rows: list[dict]) -> str:
               num(r["survivor_tok_s_during"] / r["survivor_tok_s_before"], ".2f"),
               num(r["survivor_prefill_ms_per_1k_before"], ".0f"), num(r["survivor_prefill_ms_per_1k_during"], ".0f"))
              for r in rows]
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*x) for x in lines])
+    return render_table(header, lines)
 
 
 def main() -> int:
@@ -218,8 +216,7 @@ def main() -> int:
         print(f"{case}: {rows[-1]['errors'] or 'no errors'}", flush=True)
     out = Path(args.out) if args.out else RESULTS / "chaos_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python bench/chaos.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+    meta = {"command": command_line("chaos.py", args),
             "machine": machine(), "device": "cpu",
             "load_average_1min": {"before": load_before, "after": load_average_1min()},
             "server": "dwdp serve " + " ".join(server_args),

@@ -128,9 +128,20 @@ def format_table(rows: list[dict]) -> str:
               f"{1e3 * r['ttft_p99_s']:.0f}", f"{1e3 * r['queue_mean_s']:.0f}", f"{1e3 * r['prefill_mean_s']:.0f}",
               f"{r['batch_mean']:.1f}", f"{r['client_token_cv']:.2f}", f"{r['rank_token_cv']:.2f}",
               f"{r['prefetch_wait_s']:.2f}") for r in rows]
+    return render_table(header, lines)
+
+
+def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
+    """Right-aligned columns under `header`, with a rule below it."""
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*x) for x in lines])
+
+
+def command_line(script: str, args: argparse.Namespace) -> str:
+    """The command that reproduces a run: every option given or defaulted, --out left out."""
+    return f"python bench/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")
 
 
 def _prefetch_wait(url: str) -> float:
@@ -179,8 +190,7 @@ def main() -> int:
             server.stop()
     out = Path(args.out) if args.out else RESULTS / "serve_load_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python bench/serve_load.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+    meta = {"command": command_line("serve_load.py", args),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, CPU only", "ranks": ranks,
             "model": "tiny preset (DeepSeek-V3-style, 16 experts x 4 MoE layers, fp32)",
             "ttft": "client-measured, request sent -> answer with the first token and KV artifact",

@@ -164,3 +164,36 @@ def test_a_silent_worker_gets_no_new_requests_until_it_reports_again():
     assert snap["status"] == "degraded" and snap["workers"][1]["routable"], snap
     pool._handle(_health(0))
     assert pool.snapshot()["workers"][0]["routable"] and pool.snapshot()["status"] == "ok"
+
+
+@pytest.mark.timeout(10)
+def test_a_forward_failing_for_lost_experts_answers_retryable_and_reports_at_once():
+    import queue
+    from types import SimpleNamespace
+
+    from dwdp.failover import ExpertsUnavailable, FailoverStatus
+    from dwdp.serve.protocol import BatchStarted, PrefillError, WorkerHealth
+    from dwdp.serve.worker import run_batch
+
+    status = FailoverStatus(0, {2: "rank 2 (pid 7) exited without closing"}, (), 1, 0, (4,), None)
+    why = "rank 0: MoE layer 1 routes tokens to experts [4], which no surviving rank owns (lost ranks [2])"
+
+    class Degraded:
+        stats = SimpleNamespace(wait_s=0.0)
+
+        def __call__(self, **inputs):
+            raise ExpertsUnavailable(why, (4,), dict(status.lost))
+
+        def check_peers(self):
+            return status
+
+    results = queue.Queue()
+    run_batch(Degraded(), list(jobs(3, 4)), 0, "unused", "dwdp-tiny", results)
+    messages = [results.get_nowait() for _ in range(results.qsize())]
+    assert isinstance(messages[0], BatchStarted), messages
+    errors = [m for m in messages if isinstance(m, PrefillError)]
+    assert [e.request_id for e in errors] == ["r0", "r1"], errors
+    assert all(e.retryable and e.error_type == "rank_degraded" and e.message == why for e in errors), errors
+    health = [m for m in messages if isinstance(m, WorkerHealth)]
+    assert len(health) == 1 and not health[0].status["can_serve_all"], health
+    assert health[0].status["unservable_experts"] == (4,) and health[0].status["lost"] == status.lost, health
