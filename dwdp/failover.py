@@ -130,9 +130,10 @@ class Failover:
         self.lost.update(new)
         sources = surviving_sources(self.placement, self.lost)[self.rank]
         self.plans.set_sources(sources)
-        missing = self.placement.missing_experts(self.rank)
-        self.unservable = frozenset(e for e in missing if sources[e] == NO_SOURCE)
-        self._unservable_ids = torch.tensor(sorted(self.unservable), dtype=torch.long)
+        unservable = sorted(e for e in self.placement.missing_experts(self.rank) if sources[e] == NO_SOURCE)
+        # Ids first: check_routed reads `unservable` without the lock and then uses the ids.
+        self._unservable_ids = torch.tensor(unservable, dtype=torch.long)
+        self.unservable = frozenset(unservable)
         self.replans += 1
         for peer in new:
             self.transport.forget_peer(peer)
@@ -142,6 +143,14 @@ class Failover:
             log.warning("rank %d: peer %d lost (%s); re-planned, %d expert(s) without an owner: %s", self.rank, peer,
                         why, len(self.unservable), sorted(self.unservable))
         return True
+
+    def inject_fault(self, rank: int, reason: str) -> None:
+        """Treat `rank`'s memory as unreadable from now on: copies from it fail (the transport's
+        fault hook) and are retried elsewhere; if `rank` is this rank, its own device is lost."""
+        if rank == self.rank:
+            self.lose_own_device(reason)
+        else:
+            self.transport.fail_copies_from(rank, reason)
 
     def lose_own_device(self, reason: str) -> None:
         """This rank's device is lost: fail every forward from now on and tell the peers."""

@@ -268,11 +268,7 @@ class DWDPModel(ModelWrapper):
         device counts as lost, so its forwards fail and peers read that from its liveness record."""
         if not 0 <= rank < self.group.size:
             raise ValueError(f"rank={rank} is not in the DWDP group [0, {self.group.size})")
-        with self.prefetcher._cond:
-            if rank == self.group.rank:
-                self.failover.lose_own_device(reason)
-            else:
-                self.transport.fail_copies_from(rank, reason)
+        self.failover.inject_fault(rank, reason)
 
     def close(self) -> None:
         """Wait for copies in flight and release shared memory; the model is unusable afterwards."""

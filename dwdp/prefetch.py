@@ -188,7 +188,7 @@ class Prefetcher:
                 if failover is None or exc.peer == failover.rank or retries > failover.placement.group_size:
                     raise
                 retries += 1
-                self._retry(slot_index, self.failover.copy_failed(exc.peer, exc), experts)
+                self._retry(slot_index, failover.copy_failed(exc.peer, exc), experts)
             except PrefetchTimeout:
                 if self.failover is None or time.monotonic() >= deadline:
                     raise

@@ -149,7 +149,9 @@ class Ticket:
         if self.finished_ns is None:
             try:
                 self.wait(timeout)
-            except (RuntimeError, TimeoutError):
+            except RuntimeError:
+                self.quiesce(timeout)  # failed: slices already running may still land
+            except TimeoutError:
                 pass
 
     def _raise_if_failed(self) -> None:
