@@ -59,29 +59,37 @@ def arrivals(rate: float, num_requests: int, duration_s: float, clients: int, is
 
 
 async def _one(http: httpx.AsyncClient, url: str, ids: list[int]) -> dict:
+    """One request; `done` is the perf_counter time its answer (or transport error) came back."""
     sent = time.perf_counter()
     try:
         r = await http.post(f"{url}/v1/prefill", json={"input_ids": ids})
     except httpx.HTTPError as exc:
-        return {"status": "transport", "error": type(exc).__name__, "ttft_s": time.perf_counter() - sent}
-    ttft = time.perf_counter() - sent
+        done = time.perf_counter()
+        return {"status": "transport", "error": type(exc).__name__, "message": str(exc), "ttft_s": done - sent,
+                "done": done}
+    done = time.perf_counter()
+    ttft = done - sent
     body = r.json()
     if r.status_code != 200:
-        return {"status": r.status_code, "error": body.get("error", {}).get("type", "?"), "ttft_s": ttft}
+        error = body.get("error", {})
+        return {"status": r.status_code, "error": error.get("type", "?"), "message": error.get("message", ""),
+                "ttft_s": ttft, "done": done}
     try:
         os.unlink(body["kv"]["path"])
     except OSError:
         pass  # a server elsewhere, or already consumed
-    return {"status": 200, "ttft_s": ttft, "tokens": body["prompt_tokens"], "rank": body["rank"],
-            "queue_s": body["timing"]["queue_s"], "prefill_s": body["timing"]["prefill_s"],
-            "batch_size": body["timing"]["batch_size"]}
+    return {"status": 200, "ttft_s": ttft, "done": done, "tokens": body["prompt_tokens"], "rank": body["rank"],
+            "first_token_id": body["first_token_id"], "queue_s": body["timing"]["queue_s"],
+            "prefill_s": body["timing"]["prefill_s"], "batch_size": body["timing"]["batch_size"],
+            "batch_tokens": body["timing"]["batch_tokens"]}
 
 
-async def run_rate(url: str, plan: list, timeout_s: float) -> tuple[list[dict], float]:
-    """Send every request of `plan` at its time, whatever is still in flight (open loop)."""
+async def run_rate(url: str, plan: list, timeout_s: float, start: float | None = None) -> tuple[list[dict], float]:
+    """Send every request of `plan` at its time after `start` (perf_counter; default now), whatever
+    is still in flight (open loop)."""
     limits = httpx.Limits(max_connections=len(plan) + 1, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as http:
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         tasks = []
         for at, _, ids in plan:
             delay = start + at - time.perf_counter()
@@ -120,9 +128,20 @@ def format_table(rows: list[dict]) -> str:
               f"{1e3 * r['ttft_p99_s']:.0f}", f"{1e3 * r['queue_mean_s']:.0f}", f"{1e3 * r['prefill_mean_s']:.0f}",
               f"{r['batch_mean']:.1f}", f"{r['client_token_cv']:.2f}", f"{r['rank_token_cv']:.2f}",
               f"{r['prefetch_wait_s']:.2f}") for r in rows]
+    return render_table(header, lines)
+
+
+def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
+    """Right-aligned columns under `header`, with a rule below it."""
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*x) for x in lines])
+
+
+def command_line(script: str, args: argparse.Namespace) -> str:
+    """The command that reproduces a run: every option given or defaulted, --out left out."""
+    return f"python bench/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out")
 
 
 def _prefetch_wait(url: str) -> float:
@@ -171,8 +190,7 @@ def main() -> int:
             server.stop()
     out = Path(args.out) if args.out else RESULTS / "serve_load_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "python bench/serve_load.py " + " ".join(
-                f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "out"),
+    meta = {"command": command_line("serve_load.py", args),
             "machine": f"{platform.machine()} {os.cpu_count()} cores, CPU only", "ranks": ranks,
             "model": "tiny preset (DeepSeek-V3-style, 16 experts x 4 MoE layers, fp32)",
             "ttft": "client-measured, request sent -> answer with the first token and KV artifact",

@@ -59,6 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-dir", metavar="DIR", help="where KV artifacts go (default: a temporary directory "
                        "removed at shutdown)")
     serve.add_argument("--slice-bytes", type=_positive_int, default=1 << 20, help="copy slice size (default 1 MiB)")
+    serve.add_argument("--expert-replicas", type=_positive_int, default=1,
+                       help="ranks owning every expert; 2 keeps serving every expert after losing a rank (default 1)")
+    serve.add_argument("--peer-timeout", type=float, default=2.0,
+                       help="seconds a copy may take before the peer's liveness is checked (default 2)")
+    serve.add_argument("--stall-timeout", type=float, default=2.0,
+                       help="a worker silent this long gets no new requests until it reports again (default 2)")
+    serve.add_argument("--fault-injection", action="store_true",
+                       help="enable POST /admin/fault {\"rank\": r}: make rank r's memory unreadable (chaos tests)")
     serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
     serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
@@ -132,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
                 ranks=args.ranks, host=args.host, port=args.port, model=args.model, preset=args.preset, seed=args.seed,
                 tokenizer=args.tokenizer, max_num_tokens=args.max_num_tokens, max_queue_tokens=args.max_queue_tokens,
                 max_body_bytes=args.max_body_bytes, kv_dir=args.kv_dir, slice_bytes=args.slice_bytes,
+                expert_replicas=args.expert_replicas, peer_timeout_s=args.peer_timeout,
+                stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None

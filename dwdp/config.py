@@ -26,12 +26,17 @@ class DWDPConfig:
     """Settings of a DWDP group.
 
     group_size: ranks that share one copy of the experts (None = all ranks of the process group).
-    num_local_experts: experts each rank keeps per MoE layer (None = ceil(num_experts / group_size));
-        more than that adds redundant copies and cuts prefetch volume.
+    num_local_experts: experts each rank keeps per MoE layer (None = ceil(num_experts / group_size),
+        or what `expert_replicas` needs); more than that adds redundant copies and cuts prefetch volume.
+    expert_replicas: ranks that must own every expert (1 = no redundancy); 2 lets the group lose
+        any one rank and keep serving every expert (dwdp.failover).
     slice_bytes: size of one copy slice; transfers are cut into slices issued round-robin over peers.
     num_buffers: prefetch slots (double buffering = 2); at least 2 so copy and compute overlap.
     backend: transport backend, "auto" picks "cuda" for CUDA models and "host" otherwise.
     wait_timeout_s: longest a rank waits for one layer's prefetch before raising.
+    peer_timeout_s: a copy from a peer still outstanding after this long makes the rank read that
+        peer's liveness record (a lost peer is planned around, the copy retried elsewhere); a peer
+        whose heartbeat is older than this is reported stalled.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
     experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
         GEMM, local experts first), or "auto": triton for CUDA models, reference otherwise.
@@ -49,10 +54,12 @@ class DWDPConfig:
 
     group_size: int | None = None
     num_local_experts: int | None = None
+    expert_replicas: int = 1
     slice_bytes: int = 1 << 20
     num_buffers: int = 2
     backend: str = "auto"
     wait_timeout_s: float = 60.0
+    peer_timeout_s: float = 2.0
     inflight: int = 2
     experts_kernel: str = "auto"
     cuda_copy: str = "batch"
@@ -65,6 +72,10 @@ class DWDPConfig:
             _check_int("group_size", self.group_size, 1)
         if self.num_local_experts is not None:
             _check_int("num_local_experts", self.num_local_experts, 1)
+        _check_int("expert_replicas", self.expert_replicas, 1)
+        if self.group_size is not None and self.expert_replicas > self.group_size:
+            raise ValueError(f"expert_replicas={self.expert_replicas} is more than group_size={self.group_size}: "
+                             "an expert cannot have more owners than there are ranks")
         _check_int("slice_bytes", self.slice_bytes, 1, 1 << 34)
         _check_int("num_buffers", self.num_buffers, 2, 64)
         _check_int("inflight", self.inflight, 1, 64)
@@ -79,9 +90,10 @@ class DWDPConfig:
             raise ValueError(f"cuda_mapping={self.cuda_mapping!r} is not one of {CUDA_MAPPINGS}")
         if self.expert_biases not in EXPERT_BIASES:
             raise ValueError(f"expert_biases={self.expert_biases!r} is not one of {EXPERT_BIASES}")
-        timeout = self.wait_timeout_s
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
-            raise ValueError(f"wait_timeout_s={timeout!r} must be a finite number of seconds > 0")
+        for name in ("wait_timeout_s", "peer_timeout_s"):
+            timeout = getattr(self, name)
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
+                raise ValueError(f"{name}={timeout!r} must be a finite number of seconds > 0")
 
     def replace(self, **changes) -> "DWDPConfig":
         return dataclasses.replace(self, **changes)

@@ -92,8 +92,9 @@ def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, to
     num_experts = len(runtime.table_order)
     num_positions = runtime.position.numel()  # E + Z
     prefetcher = runtime.prefetcher
-    # Issue this layer's copy (if not already in flight) and the next layer's, before any compute.
-    slot = prefetcher.begin(runtime.layer)
+    # Issue this layer's copy (if not already in flight) and the next layer's, before any compute;
+    # the routed ids let a rank that lost experts refuse the layer at once.
+    slot = prefetcher.begin(runtime.layer, top_k_index)
     if runtime.kernel_tables is not None:
         try:
             result = _fused_experts(runtime, slot, hidden_states, top_k_index, top_k_weights)

@@ -117,11 +117,13 @@ class LaunchError(RuntimeError):
     """A rank of a local group failed or did not finish in time."""
 
 
-def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None) -> list:
+def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None,
+                 may_die: tuple[int, ...] = ()) -> list:
     """Run `fn(rank, *args)` in `nprocs` spawned processes forming one env:// world on loopback.
 
     Returns the per-rank return values (picklable). Raises LaunchError naming the rank on the first
     failure, a crash without a result, or when `timeout_s` passes; every child is stopped.
+    may_die: ranks killed on purpose (chaos tests): their exit without a result gives None.
     """
     import multiprocessing as mp
     import queue
@@ -152,6 +154,9 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
                             rank, ok, value = results.get(timeout=2.0)
                             break
                         except queue.Empty:
+                            if r in may_die:
+                                values[r] = None
+                                continue
                             raise LaunchError(f"rank {r} exited with code {p.exitcode} without a result") from None
                 else:
                     if time.monotonic() > deadline:

@@ -24,7 +24,9 @@ from .config import DWDPConfig
 from .expert_tensors import ExpertsSpec
 from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, dwdp_experts_forward
 from .experts_kernel import choose_experts_kernel, epilogue_of, kernel_weight_tables
+from .failover import Failover, FailoverStatus
 from .group import DWDPGroup, init_group
+from .liveness import close_records, exchange_records
 from .placement import build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
 from .prefetch import Prefetcher
@@ -162,7 +164,7 @@ class DWDPModel(ModelWrapper):
                 )
         num_experts = first.spec.num_experts
         moving = first.spec.moving
-        placement = build_placement(num_experts, group.size, config.num_local_experts)
+        placement = build_placement(num_experts, group.size, config.num_local_experts, config.expert_replicas)
         device = moving[0].stored(first.module).device
         backend = resolve_backend(config.backend, torch.device("cpu") if device.type == "meta" else device)
         timeout_s = envs.wait_timeout_s(config.wait_timeout_s)
@@ -186,6 +188,7 @@ class DWDPModel(ModelWrapper):
                                    process_group=group.process_group)
         self.transport = transport
         self._finalizer = weakref.finalize(self, transport.close)
+        record = liveness = None
         try:
             segment = transport.alloc_segment(segment_layout.total_nbytes)
             local_ids = torch.tensor(placement.local_experts(group.rank))
@@ -194,15 +197,23 @@ class DWDPModel(ModelWrapper):
                 self._fill_local(index, layer, segment, segment_layout, local_ids, source)
             handles = group.all_gather_object(transport.register())
             transport.open(handles)
-            group.barrier()  # every peer has mapped our segment: its name can go
+            record, liveness = exchange_records(group, envs.shm_dir(), config.peer_timeout_s)
+            group.barrier()  # every peer has mapped our segment and record: their names can go
             transport.seal()
+            if record is not None:
+                record.seal()
+                record.start()
         except BaseException:
             transport.close()
+            close_records(record, liveness)
             raise
+        self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
 
         slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
         plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes)
-        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s)
+        # A lost peer is a plan change made here, from this rank's own view: never a collective.
+        self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record)
+        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover)
 
         remote_order = [e for experts_of_peer in slots.experts_by_peer for e in experts_of_peer]
         table_order = list(placement.local_experts(group.rank)) + remote_order
@@ -274,6 +285,19 @@ class DWDPModel(ModelWrapper):
     def stats(self):
         return self.prefetcher.stats
 
+    def check_peers(self) -> FailoverStatus:
+        """Read the peers' liveness now (forwards also do, as they start), re-plan around any loss,
+        and return what this rank knows: lost and stalled peers, re-plans, unservable experts."""
+        return self.prefetcher.poll_peers()
+
+    def inject_fault(self, rank: int, reason: str = "injected fault") -> None:
+        """Chaos testing: treat `rank`'s memory as unreadable from now on. On a peer, every copy from
+        `rank` fails (the transport's fault hook) and is retried elsewhere; on `rank` itself, its
+        device counts as lost, so its forwards fail and peers read that from its liveness record."""
+        if not 0 <= rank < self.group.size:
+            raise ValueError(f"rank={rank} is not in the DWDP group [0, {self.group.size})")
+        self.failover.inject_fault(rank, reason)
+
     def close(self) -> None:
         """Wait for copies in flight and release shared memory; the model is unusable afterwards."""
         for hook in getattr(self, "_hooks", ()):
@@ -283,6 +307,7 @@ class DWDPModel(ModelWrapper):
             self.prefetcher.drain()
         finally:
             self._finalizer()
+            self._liveness_finalizer()
             if self.recorder is not None:
                 self.trace_path = self.recorder.write()
                 self.recorder = None

@@ -7,6 +7,9 @@ evenly as integers allow, so every gap between two starts is at most ceil(E / G)
 expert has at least one owner. When G does not divide E, or L > ceil(E / G), ranges overlap and
 the overlapping experts are redundant: they have several owners, and pulls of them are spread
 over those owners so that no source serves more than it must.
+
+When ranks are lost, `surviving_sources` chooses again among the owners still alive, with the same
+balancing; every survivor computes it alone from the same inputs, so they agree without talking.
 """
 from __future__ import annotations
 
@@ -54,13 +57,37 @@ class Placement:
     def is_redundant(self) -> bool:
         return self.num_local_experts * self.group_size > self.num_experts
 
+    @property
+    def min_owners(self) -> int:
+        """Owners of the least replicated expert: how many ranks can be lost before one goes."""
+        return min(len(self.owners(e)) for e in range(self.num_experts))
+
 
 def min_local_experts(num_experts: int, group_size: int) -> int:
     return math.ceil(num_experts / group_size)
 
 
-def build_placement(num_experts: int, group_size: int, num_local_experts: int | None = None) -> Placement:
-    """Ownership and source choice for `group_size` ranks over `num_experts` experts."""
+def _starts(num_experts: int, group_size: int) -> list[int]:
+    return [r * num_experts // group_size for r in range(group_size)]
+
+
+def local_experts_for_replicas(num_experts: int, group_size: int, replicas: int) -> int:
+    """The fewest local experts per rank that give every expert at least `replicas` owners."""
+    if not 1 <= replicas <= group_size:
+        raise ValueError(f"expert_replicas={replicas!r} must be in [1, group_size={group_size}]: an expert cannot "
+                         "have more owners than there are ranks")
+    starts = _starts(num_experts, group_size)
+    for local in range(min_local_experts(num_experts, group_size), num_experts + 1):
+        owners = [sum((e - s) % num_experts < local for s in starts) for e in range(num_experts)]
+        if min(owners) >= replicas:
+            return local
+    return num_experts
+
+
+def build_placement(num_experts: int, group_size: int, num_local_experts: int | None = None,
+                    replicas: int = 1) -> Placement:
+    """Ownership and source choice for `group_size` ranks over `num_experts` experts; `replicas`:
+    owners every expert must have (num_local_experts None picks the fewest that give them)."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be an int >= 1")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= num_experts:
@@ -69,33 +96,59 @@ def build_placement(num_experts: int, group_size: int, num_local_experts: int | 
             "every rank needs at least one expert of its own"
         )
     lowest = min_local_experts(num_experts, group_size)
+    if isinstance(replicas, bool) or not isinstance(replicas, int):
+        raise ValueError(f"expert_replicas={replicas!r} must be an int in [1, group_size={group_size}]")
+    wanted = local_experts_for_replicas(num_experts, group_size, replicas)
     if num_local_experts is None:
-        num_local_experts = lowest
+        num_local_experts = wanted
     is_int = isinstance(num_local_experts, int) and not isinstance(num_local_experts, bool)
     if not is_int or not lowest <= num_local_experts <= num_experts:
         raise ValueError(
             f"num_local_experts={num_local_experts!r} must be in [{lowest}, {num_experts}] for "
             f"{num_experts} experts over group_size={group_size} (fewer would leave experts with no owner)"
         )
-    starts = [r * num_experts // group_size for r in range(group_size)]
+    if num_local_experts < wanted:
+        raise ValueError(f"num_local_experts={num_local_experts} gives some expert fewer than expert_replicas="
+                         f"{replicas} owners over group_size={group_size}; it needs at least {wanted}")
     owned = tuple(
-        tuple(sorted({(start + j) % num_experts for j in range(num_local_experts)})) for start in starts
+        tuple(sorted({(start + j) % num_experts for j in range(num_local_experts)}))
+        for start in _starts(num_experts, group_size)
     )
     source = _choose_sources(num_experts, group_size, owned)
     return Placement(num_experts, group_size, num_local_experts, owned, source)
 
 
-def _choose_sources(num_experts: int, group_size: int, owned) -> tuple[tuple[int, ...], ...]:
+NO_SOURCE = -1  # in a source table: the expert is missing and no owner of it is left
+
+
+def surviving_sources(placement: Placement, lost) -> tuple[tuple[int, ...], ...]:
+    """source[r][e] once the ranks in `lost` are gone: pulls spread over the surviving owners as
+    evenly as `build_placement` spreads them; NO_SOURCE where every owner of a missing expert is
+    lost. Rows of lost ranks are left as they were (nobody runs them)."""
+    lost = frozenset(lost)
+    bad = sorted(r for r in lost if not 0 <= r < placement.group_size)
+    if bad:
+        raise ValueError(f"lost ranks {bad} are not in the group [0, {placement.group_size})")
+    if not lost:
+        return placement.source
+    fresh = _choose_sources(placement.num_experts, placement.group_size, placement.owned, lost)
+    return tuple(placement.source[r] if r in lost else fresh[r] for r in range(placement.group_size))
+
+
+def _choose_sources(num_experts: int, group_size: int, owned, lost=frozenset()) -> tuple[tuple[int, ...], ...]:
     owner_sets = [set(o) for o in owned]
-    owners = [[r for r in range(group_size) if e in owner_sets[r]] for e in range(num_experts)]
+    owners = [[r for r in range(group_size) if e in owner_sets[r] and r not in lost] for e in range(num_experts)]
     load = [0] * group_size
-    choice = [[r if e in owner_sets[r] else -1 for e in range(num_experts)] for r in range(group_size)]
+    choice = [[r if e in owner_sets[r] else NO_SOURCE for e in range(num_experts)] for r in range(group_size)]
     # Greedy: the least-loaded owner, ties broken by the destination's own spread, then by
     # distance from (rank + 1) so that neighbouring ranks start on different sources.
     for r in range(group_size):
+        if r in lost:
+            choice[r] = [r if e in owner_sets[r] else NO_SOURCE for e in range(num_experts)]
+            continue
         per_dest = [0] * group_size
         for e in range(num_experts):
-            if choice[r][e] != -1:
+            if choice[r][e] != NO_SOURCE or not owners[e]:
                 continue
             best = min(owners[e], key=lambda o: (load[o], per_dest[o], (o - r - 1) % group_size))
             choice[r][e] = best
@@ -129,7 +182,7 @@ def _chain_to_lighter_source(choice, owners, load, group_size):
     served_by = [[] for _ in range(group_size)]  # (destination, expert) pulls each source serves
     for dest, row in enumerate(choice):
         for expert, src in enumerate(row):
-            if src != dest:
+            if src not in (dest, NO_SOURCE):
                 served_by[src].append((dest, expert))
     for start in sorted(range(group_size), key=lambda s: -load[s]):
         parent = {start: None}  # source -> (previous source, destination, expert) that reaches it

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .placement import Placement
+from .placement import NO_SOURCE, Placement
 
 
 @dataclass(frozen=True)
@@ -125,42 +125,58 @@ def build_copy_plan(
     slot: int,
     segment: SegmentLayout,
     slice_bytes: int,
+    sources: tuple[int, ...] | None = None,
 ) -> CopyPlan:
     """Slices of at most `slice_bytes` (each tensor's last slice shorter), ordered slice offset
-    first and peers round-robin second, so pulls from different sources interleave."""
+    first and peers round-robin second, so pulls from different sources interleave.
+
+    sources: the owner to read each expert from (placement.source[rank] by default; after a loss,
+    a row of placement.surviving_sources, where NO_SOURCE leaves the expert out). The slot layout
+    stays the placement's whatever the sources, so weight tables never move.
+    """
     if slice_bytes < 1:
         raise ValueError(f"slice_bytes={slice_bytes} must be >= 1")
+    sources = placement.source[rank] if sources is None else sources
     layout = slot_layout(placement, rank, segment.tensor_nbytes)
-    streams: list[list[CopySlice]] = []
-    for p_index, peer in enumerate(layout.peers):
-        peer_local = placement.owned[peer]
-        stream = []
-        for i, expert in enumerate(layout.experts_by_peer[p_index]):
-            src_index = peer_local.index(expert)
+    streams: dict[int, list[CopySlice]] = {}
+    for p_index, experts in enumerate(layout.experts_by_peer):
+        for i, expert in enumerate(experts):
+            peer = sources[expert]
+            if peer == NO_SOURCE:
+                continue
+            src_index = placement.owned[peer].index(expert)
+            stream = streams.setdefault(peer, [])
             for t, nbytes in enumerate(segment.tensor_nbytes):
                 src = segment.offset(layer, src_index, t)
                 dst = layout.offset(p_index, i, t)
                 for start in range(0, nbytes, slice_bytes):
                     n = min(slice_bytes, nbytes - start)
                     stream.append(CopySlice(peer, src + start, dst + start, n, expert))
-        streams.append(stream)
+    ordered_streams = [streams[p] for p in pull_order(rank, placement.group_size) if p in streams]
     ordered = []
-    for k in range(max((len(s) for s in streams), default=0)):
-        for stream in streams:
+    for k in range(max((len(s) for s in ordered_streams), default=0)):
+        for stream in ordered_streams:
             if k < len(stream):
                 ordered.append(stream[k])
     return CopyPlan(rank, layer, slot, tuple(ordered))
 
 
 class PlanCache:
-    """Copy plans built once per (layer, slot) for one rank and reused on every forward."""
+    """Copy plans built once per (layer, slot) for one rank and reused on every forward, until
+    `set_sources` (a lost peer) makes every plan read from new owners."""
 
     def __init__(self, placement: Placement, rank: int, segment: SegmentLayout, slice_bytes: int):
         self.placement, self.rank, self.segment, self.slice_bytes = placement, rank, segment, slice_bytes
+        self.sources = placement.source[rank]
         self.get = lru_cache(maxsize=None)(self._build)
 
     def _build(self, layer: int, slot: int) -> CopyPlan:
-        return build_copy_plan(self.placement, self.rank, layer, slot, self.segment, self.slice_bytes)
+        return build_copy_plan(self.placement, self.rank, layer, slot, self.segment, self.slice_bytes, self.sources)
+
+    def set_sources(self, sources: tuple[int, ...]) -> None:
+        """Read each expert from `sources[e]` from now on (NO_SOURCE: nowhere); drops every plan."""
+        self.sources = tuple(sources)
+        self.get.cache_clear()
 
 
 @dataclass(frozen=True)

@@ -306,10 +306,22 @@ def test_metrics_in_prometheus_text(server):
         for s in family.samples:
             samples.setdefault(s.name, []).append(s)
     for name in ("dwdp_serve_queue_depth", "dwdp_serve_outstanding_tokens", "dwdp_serve_worker_up",
-                 "dwdp_serve_prefetch_wait_seconds_total", "dwdp_serve_requests_total"):
+                 "dwdp_serve_prefetch_wait_seconds_total", "dwdp_serve_requests_total", "dwdp_serve_worker_routable",
+                 "dwdp_serve_worker_stalled", "dwdp_serve_lost_peers", "dwdp_serve_replans_total",
+                 "dwdp_serve_retried_slices_total"):
         assert sorted(s.labels["rank"] for s in samples[name]) == [str(r) for r in range(RANKS)], name
+    assert [s.value for s in samples["dwdp_serve_lost_peers"]] == [0.0] * RANKS, samples["dwdp_serve_lost_peers"]
+    assert samples["dwdp_serve_failed_requests_total"][0].value == 0
     assert samples["dwdp_serve_tokens_per_second"][0].value > 0
     assert samples["dwdp_serve_ttft_seconds_count"][0].value >= 1
     assert sum(s.value for s in samples["dwdp_serve_prefetch_wait_seconds_total"]) > 0
     errors = {s.labels["type"]: s.value for s in samples["dwdp_serve_errors_total"]}
     assert errors.get("invalid_request_error", 0) >= 1, errors
+
+
+@pytest.mark.timeout(30)
+def test_fault_injection_is_off_unless_asked_for(server):
+    r = post(server, "/admin/fault", {"rank": 1})
+    assert r.status_code == 404 and "--fault-injection" in r.json()["error"]["message"], r.text
+    health = httpx.get(f"{server.url}/health").json()
+    assert all(w["routable"] and w["lost_peers"] == {} for w in health["workers"]), health

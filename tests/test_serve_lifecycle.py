@@ -1,5 +1,6 @@
-"""Lifecycle of the context server: a worker killed mid-run, then a graceful SIGTERM that must
-drain what is in flight and leave no process and no shared-memory segment behind."""
+"""Lifecycle of the context server: a worker of a redundancy-2 group killed under load, then a
+graceful SIGTERM that must drain what is in flight and leave no process and no shared-memory
+segment behind."""
 from __future__ import annotations
 
 import os
@@ -58,7 +59,8 @@ def server(tmp_path_factory):
     (root / "shm").mkdir()
     (root / "kv").mkdir()
     shm_before = shm_entries()
-    proc = ServerProcess(["--ranks", "2", "--preset", "tiny", "--kv-dir", str(root / "kv")], free_port(),
+    proc = ServerProcess(["--ranks", "3", "--expert-replicas", "2", "--peer-timeout", "1", "--preset", "tiny",
+                          "--kv-dir", str(root / "kv")], free_port(),
                          env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
     proc.root, proc.shm_before = root, shm_before
     proc.start()
@@ -86,33 +88,42 @@ def wait_for(server, predicate, timeout_s: float = 30.0) -> dict:
     raise AssertionError(f"condition not reached within {timeout_s} s: {health}")
 
 
-@pytest.mark.timeout(90)
-def test_killed_worker_is_skipped_and_only_its_running_requests_fail(server, model):
-    batch = prompts(1, 16, 200)
-    post = lambda ids: httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=60)
-    with ThreadPoolExecutor(16) as pool:
+@pytest.mark.timeout(240)
+def test_killing_a_worker_of_a_redundant_group_loses_no_request(server, model):
+    """Every request gets an answer: the right first token, or a 5xx naming the killed rank (only
+    those running on it when it died). Its queued requests go elsewhere, the survivors re-plan
+    around it and keep serving every expert."""
+    batch = prompts(1, 24, 200)
+    post = lambda ids: httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=120)
+    with ThreadPoolExecutor(24) as pool:
         futures = [pool.submit(post, ids) for ids in batch]
         health = wait_for(server, lambda h: h["workers"][1]["running"] > 0 and h["workers"][1]["queued"] > 0)
         running_on_victim = health["workers"][1]["running"]
         victim = health["workers"][1]["pid"]
         os.kill(victim, signal.SIGKILL)
-        answers = [f.result() for f in futures]
+        answers = [f.result() for f in futures]  # a request without an HTTP answer raises here: lost
     failed = [r for r in answers if r.status_code != 200]
     for r in failed:
         error = r.json()["error"]
-        assert r.status_code == 503 and error["type"] == "worker_died" and "rank 1" in error["message"], r.text
-        assert r.headers["retry-after"] == "1"
-    assert 1 <= len(failed) <= running_on_victim, ([r.status_code for r in answers], running_on_victim)
+        assert r.status_code >= 500 and "rank 1" in error["message"], r.text
+    assert len(failed) <= running_on_victim, ([r.status_code for r in answers], running_on_victim)
     for ids, r in zip(batch, answers):
         if r.status_code == 200:
             assert r.json()["first_token_id"] == first_token(model, ids), r.json()
-    health = httpx.get(f"{server.url}/health", timeout=5)
-    assert health.status_code == 200 and health.json()["status"] == "degraded", health.text
-    dead = health.json()["workers"][1]
-    assert not dead["alive"] and dead["exit_code"] == -signal.SIGKILL, dead
-    assert health.json()["retried"] >= 1, "queued requests of the dead worker were not handed on"
-    after = [post(ids) for ids in prompts(2, 4, 30)]
-    assert [(r.status_code, r.json()["rank"]) for r in after] == [(200, 0)] * 4, [r.text for r in after]
+    health = wait_for(server, lambda h: all("1" in h["workers"][r]["lost_peers"] for r in (0, 2)))
+    assert health["status"] == "degraded" and health["retried"] >= 1, health
+    dead = health["workers"][1]
+    assert not dead["alive"] and not dead["routable"] and dead["exit_code"] == -signal.SIGKILL, dead
+    for rank in (0, 2):
+        w = health["workers"][rank]
+        assert w["routable"] and w["replans"] == 1 and w["unservable_experts"] == [], w
+        assert "exited without closing" in w["lost_peers"]["1"], w
+    after_ids = prompts(2, 6, 30)
+    after = [post(ids) for ids in after_ids]
+    assert [r.status_code for r in after] == [200] * 6 and {r.json()["rank"] for r in after} <= {0, 2}, \
+        [r.text for r in after]
+    for ids, r in zip(after_ids, after):
+        assert r.json()["first_token_id"] == first_token(model, ids), r.json()
 
 
 @pytest.mark.timeout(90)

@@ -92,3 +92,108 @@ def test_kv_artifact_round_trip_is_bit_exact(tmp_path, dtype):
 def test_serve_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
         ServeConfig(**kwargs)
+
+
+def _pool(ranks: int = 3, stall_timeout_s: float = 2.0):
+    """A WorkerPool whose workers are plain queues: messages are fed to it by hand."""
+    import queue
+
+    from dwdp.serve.pool import WorkerPool, _Rank
+    from dwdp.serve.protocol import WorkerReady
+
+    pool = WorkerPool(ServeConfig(ranks=ranks, stall_timeout_s=stall_timeout_s), kv_dir="unused")
+    for r in range(ranks):
+        pool._ranks.append(_Rank(r, process=None, requests=queue.Queue()))
+        pool._handle(WorkerReady(r, 1000 + r, {}))
+    return pool
+
+
+def _queued(pool) -> list[list[str]]:
+    return [sorted(r.queued) for r in pool._ranks]
+
+
+def _health(rank: int, **status) -> "WorkerHealth":
+    from dwdp.serve.protocol import WorkerHealth
+
+    base = {"rank": rank, "lost": {}, "stalled": (), "replans": 0, "retried_slices": 0, "unservable_experts": (),
+            "device_lost": None, "can_serve_all": True}
+    return WorkerHealth(rank, {**base, **status})
+
+
+@pytest.mark.timeout(10)
+def test_router_sends_nothing_to_a_degraded_worker_and_hands_its_failures_on():
+    import asyncio
+
+    from dwdp.serve.errors import ServeError
+    from dwdp.serve.protocol import PrefillError
+
+    pool = _pool(3)
+    pool._handle(_health(1, lost={2: "rank 2 (pid 7) exited without closing"}, replans=1, unservable_experts=(4, 5),
+                         can_serve_all=False))
+    why = "rank 0: MoE layer 1 routes tokens to experts [4], which no surviving rank owns (lost ranks [2])"
+
+    async def run() -> ServeError:
+        for _ in range(4):
+            pool.submit([5] * 8)
+        queued = _queued(pool)
+        assert queued[1] == [] and len(queued[0]) == len(queued[2]) == 2, queued
+        victim = queued[0][0]
+        future = pool._requests[victim].future
+        pool._handle(PrefillError(victim, 0, "rank_degraded", why, retryable=True))
+        assert victim in pool._ranks[2].queued and pool.num_retried == 1, _queued(pool)
+        pool._handle(PrefillError(victim, 2, "rank_degraded", why.replace("rank 0", "rank 2"), retryable=True))
+        with pytest.raises(ServeError) as info:
+            await asyncio.wait_for(future, 5)
+        return info.value
+
+    error = asyncio.run(run())
+    assert error.status == 503 and "rank 2" in error.message and "no other worker can take it" in error.message, \
+        (error.status, error.message)
+    assert pool.num_failed == 1 and pool.snapshot()["failed"] == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_silent_worker_gets_no_new_requests_until_it_reports_again():
+    import time
+
+    pool = _pool(2, stall_timeout_s=0.5)
+    pool._ranks[0].last_heard = time.monotonic() - 1.0  # a SIGSTOPped worker: nothing heard for 1 s
+    pool._check_stalls()
+    snap = pool.snapshot()
+    assert snap["workers"][0]["stalled"] and not snap["workers"][0]["routable"], snap["workers"][0]
+    assert snap["status"] == "degraded" and snap["workers"][1]["routable"], snap
+    pool._handle(_health(0))
+    assert pool.snapshot()["workers"][0]["routable"] and pool.snapshot()["status"] == "ok"
+
+
+@pytest.mark.timeout(10)
+def test_a_forward_failing_for_lost_experts_answers_retryable_and_reports_at_once():
+    import queue
+    from types import SimpleNamespace
+
+    from dwdp.failover import ExpertsUnavailable, FailoverStatus
+    from dwdp.serve.protocol import BatchStarted, PrefillError, WorkerHealth
+    from dwdp.serve.worker import run_batch
+
+    status = FailoverStatus(0, {2: "rank 2 (pid 7) exited without closing"}, (), 1, 0, (4,), None)
+    why = "rank 0: MoE layer 1 routes tokens to experts [4], which no surviving rank owns (lost ranks [2])"
+
+    class Degraded:
+        stats = SimpleNamespace(wait_s=0.0)
+
+        def __call__(self, **inputs):
+            raise ExpertsUnavailable(why, (4,), dict(status.lost))
+
+        def check_peers(self):
+            return status
+
+    results = queue.Queue()
+    run_batch(Degraded(), list(jobs(3, 4)), 0, "unused", "dwdp-tiny", results)
+    messages = [results.get_nowait() for _ in range(results.qsize())]
+    assert isinstance(messages[0], BatchStarted), messages
+    errors = [m for m in messages if isinstance(m, PrefillError)]
+    assert [e.request_id for e in errors] == ["r0", "r1"], errors
+    assert all(e.retryable and e.error_type == "rank_degraded" and e.message == why for e in errors), errors
+    health = [m for m in messages if isinstance(m, WorkerHealth)]
+    assert len(health) == 1 and not health[0].status["can_serve_all"], health
+    assert health[0].status["unservable_experts"] == (4,) and health[0].status["lost"] == status.lost, health

@@ -1,4 +1,5 @@
-"""The router's HTTP API (FastAPI): /v1/prefill, /v1/completions, /v1/models, /health, /metrics.
+"""The router's HTTP API (FastAPI): /v1/prefill, /v1/completions, /v1/models, /health, /metrics,
+and POST /admin/fault when the server was started with fault injection (chaos tests).
 
 Every error is JSON in the OpenAI shape {"error": {"message", "type", "param", "code"}}, with
 `param` naming the request field at fault; 429 and 503 carry Retry-After.
@@ -14,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 
 from .errors import ServeError
 from .metrics import CONTENT_TYPE, ServeMetrics
-from .schemas import CompletionRequest, PrefillRequest
+from .schemas import CompletionRequest, FaultRequest, PrefillRequest
 
 
 class BodyLimit:
@@ -199,6 +200,13 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
         snap = pool.snapshot()
         snap["model"] = {"name": config.model_name, **pool.model_info}
         return JSONResponse(snap, status_code=200 if snap["status"] in ("ok", "degraded") else 503)
+
+    @app.post("/admin/fault")
+    async def admin_fault(body: FaultRequest):
+        if not config.fault_injection:
+            raise ServeError(404, "not_found", "fault injection is off: start the server with --fault-injection "
+                             "to make a rank's memory unreadable on purpose")
+        return {"rank": body.rank, "fault": "memory unreadable", "told": pool.inject_fault(body.rank)}
 
     @app.get("/metrics")
     async def prometheus():

@@ -32,6 +32,13 @@ class ServeConfig:
     kv_dir: where each request's KV cache is written as `<request id>.safetensors` (None: a
         temporary directory removed at shutdown).
     slice_bytes: DWDP copy slice size of every worker.
+    expert_replicas: ranks owning every expert (DWDPConfig.expert_replicas); 2 keeps every expert
+        servable when any one worker is lost.
+    peer_timeout_s: DWDPConfig.peer_timeout_s of every worker (bound on a copy before the peer's
+        liveness is read; heartbeat age that counts as stalled).
+    stall_timeout_s: a worker silent this long (no health report) gets no new requests until it
+        speaks again; its queued requests wait for it.
+    fault_injection: enable POST /admin/fault (make one rank's memory unreadable), for chaos tests.
     threads_per_worker: torch intra-op threads of each worker.
     startup_timeout_s: longest wait for every worker to build its model and join the group.
     drain_timeout_s: longest graceful shutdown waits for requests in flight.
@@ -49,6 +56,10 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     kv_dir: str | None = None
     slice_bytes: int = 1 << 20
+    expert_replicas: int = 1
+    peer_timeout_s: float = 2.0
+    stall_timeout_s: float = 2.0
+    fault_injection: bool = False
     threads_per_worker: int = 1
     startup_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
@@ -68,9 +79,19 @@ class ServeConfig:
                              f"{self.max_num_tokens}: a worker must be able to queue the longest prompt")
         _check_int("max_body_bytes", self.max_body_bytes, 64)
         _check_int("slice_bytes", self.slice_bytes, 1)
+        _check_int("expert_replicas", self.expert_replicas, 1)
+        if self.expert_replicas > self.ranks:
+            raise ValueError(f"expert_replicas={self.expert_replicas} must be <= ranks={self.ranks}")
+        _check_seconds("peer_timeout_s", self.peer_timeout_s)
+        _check_seconds("stall_timeout_s", self.stall_timeout_s)
         _check_int("threads_per_worker", self.threads_per_worker, 1)
         _check_seconds("startup_timeout_s", self.startup_timeout_s)
         _check_seconds("drain_timeout_s", self.drain_timeout_s)
+
+    @property
+    def health_interval_s(self) -> float:
+        """How often a worker reports: four times per stall bound, so one late report is no stall."""
+        return self.stall_timeout_s / 4
 
     @property
     def model_name(self) -> str:

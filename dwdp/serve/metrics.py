@@ -26,6 +26,12 @@ class _PoolCollector:
             "outstanding": ("dwdp_serve_outstanding_tokens", "prompt tokens queued or running on a worker",
                             "outstanding_tokens"),
             "up": ("dwdp_serve_worker_up", "1 while the worker is alive and serving", "alive"),
+            "routable": ("dwdp_serve_worker_routable", "1 while the router sends the worker new requests (alive, "
+                         "not stalled, every expert reachable)", "routable"),
+            "stalled": ("dwdp_serve_worker_stalled", "1 while the worker is silent past the stall timeout", "stalled"),
+            "lost": ("dwdp_serve_lost_peers", "peers the worker has declared lost", "num_lost_peers"),
+            "unservable": ("dwdp_serve_unservable_experts", "experts the worker can no longer reach",
+                           "num_unservable_experts"),
         }
         counters = {
             "served": ("dwdp_serve_requests", "requests a worker answered", "served_requests"),
@@ -33,6 +39,9 @@ class _PoolCollector:
             "forwards": ("dwdp_serve_forwards", "batched forwards a worker ran", "forwards"),
             "wait": ("dwdp_serve_prefetch_wait_seconds", "exposed expert-prefetch wait of a worker's forwards",
                      "prefetch_wait_s"),
+            "replans": ("dwdp_serve_replans", "copy plans a worker rebuilt around lost peers", "replans"),
+            "retried_slices": ("dwdp_serve_retried_slices", "copy slices a worker copied again from another owner",
+                               "retried_slices"),
         }
         families = []
         for name, doc, _ in gauges.values():
@@ -41,15 +50,19 @@ class _PoolCollector:
             families.append(CounterMetricFamily(name, doc, labels=["rank"]))
         keys = [key for _, _, key in gauges.values()] + [key for _, _, key in counters.values()]
         for worker in snap["workers"]:
+            counts = {"num_lost_peers": len(worker["lost_peers"]),
+                      "num_unservable_experts": len(worker["unservable_experts"])}
             for family, key in zip(families, keys):
-                family.add_metric([str(worker["rank"])], float(worker[key]))
+                family.add_metric([str(worker["rank"])], float(counts.get(key, worker.get(key, 0))))
         yield from families
         yield GaugeMetricFamily("dwdp_serve_tokens_per_second", "prompt tokens prefilled per second, all workers, "
                                 "averaged over the last 10 s", value=snap["tokens_per_s"])
         yield GaugeMetricFamily("dwdp_serve_in_flight_requests", "admitted requests not answered yet",
                                 value=snap["in_flight"])
-        yield CounterMetricFamily("dwdp_serve_retried_requests", "queued requests moved off a dead worker",
+        yield CounterMetricFamily("dwdp_serve_retried_requests", "requests moved off a dead or degraded worker",
                                   value=snap["retried"])
+        yield CounterMetricFamily("dwdp_serve_failed_requests", "admitted requests answered with an error",
+                                  value=snap["failed"])
 
 
 class ServeMetrics:

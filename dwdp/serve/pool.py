@@ -5,12 +5,18 @@ request to the least-loaded healthy worker, tracks every request from admission 
 notices dead workers: requests already running on one fail with a clear error (a prompt that
 killed one worker is not handed to the next), requests still waiting in its queue are handed to
 another worker.
+
+Workers report their failover status several times per stall bound. A worker is routable while it
+is alive, has spoken within `stall_timeout_s`, and can still reach every expert; a degraded one
+(lost experts or its own device) gets no new requests, and the requests it fails for that reason
+are handed to another worker, or answered 503 with its reason when none is left.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import itertools
+import logging
 import multiprocessing as mp
 import queue
 import threading
@@ -21,10 +27,12 @@ from dataclasses import dataclass, field
 from ..group import free_port
 from .config import ServeConfig
 from .errors import ServeError
-from .protocol import (STOP, BatchDone, BatchStarted, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
-                       WorkerReady)
+from .protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
+                       WorkerFailed, WorkerHealth, WorkerReady)
 from .routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
 from .worker import worker_main
+
+log = logging.getLogger("dwdp")
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s is averaged over this many recent seconds
 RETRY_AFTER_S = 1
@@ -61,6 +69,13 @@ class _Rank:
     served_tokens: int = 0
     prefetch_wait_s: float = 0.0                        # exposed prefetch wait of its forwards
     forwards: int = 0
+    health: dict = field(default_factory=dict)          # its latest failover status (WorkerHealth)
+    last_heard: float = 0.0                             # monotonic time of its latest message
+    is_stalled: bool = False                            # silent for longer than stall_timeout_s
+
+    @property
+    def is_routable(self) -> bool:
+        return self.is_alive and self.is_ready and not self.is_stalled and self.health.get("can_serve_all", True)
 
 
 class WorkerPool:
@@ -76,7 +91,8 @@ class WorkerPool:
         self._changed = threading.Condition(self._lock)  # readiness, deaths, requests finishing
         self._sequence = itertools.count()
         self._recent = collections.deque()               # (monotonic time, prompt tokens) of answers
-        self.num_retried = 0                             # requests moved off a dead worker's queue
+        self.num_retried = 0                             # requests moved off a dead or degraded worker
+        self.num_failed = 0                              # admitted requests answered with an error
         self._is_draining = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -162,8 +178,7 @@ class WorkerPool:
 
     def _assign_locked(self, req: _Request, max_queue_tokens: float) -> None:
         num_tokens = len(req.job.input_ids)
-        loads = [WorkerLoad(r.rank, r.is_alive and r.is_ready, r.outstanding_tokens, r.last_assigned)
-                 for r in self._ranks]
+        loads = [WorkerLoad(r.rank, r.is_routable, r.outstanding_tokens, r.last_assigned) for r in self._ranks]
         try:
             rank = pick_worker(loads, num_tokens, max_queue_tokens, frozenset(req.tried))
         except NoHealthyWorker as exc:
@@ -188,8 +203,11 @@ class WorkerPool:
             self._changed.notify_all()
         return req
 
-    @staticmethod
-    def _resolve(req: _Request, outcome) -> None:
+    def _resolve(self, req: _Request, outcome) -> None:
+        if isinstance(outcome, BaseException):
+            with self._lock:
+                self.num_failed += 1
+
         def settle():
             if req.future.done():
                 return
@@ -217,7 +235,16 @@ class WorkerPool:
     def _handle(self, msg) -> None:
         outcome, req = None, None
         with self._changed:
-            if isinstance(msg, WorkerReady):
+            if isinstance(getattr(msg, "rank", None), int):
+                self._ranks[msg.rank].last_heard = time.monotonic()
+            if isinstance(msg, WorkerHealth):
+                r = self._ranks[msg.rank]
+                r.health = msg.status
+                if r.is_stalled:
+                    r.is_stalled = False
+                    log.warning("worker rank %d reports again: routable once more", r.rank)
+                self._changed.notify_all()
+            elif isinstance(msg, WorkerReady):
                 r = self._ranks[msg.rank]
                 r.pid, r.is_ready = msg.pid, True
                 self.model_info = self.model_info or msg.model_info
@@ -243,17 +270,50 @@ class WorkerPool:
                 r = self._ranks[msg.rank]
                 r.forwards += 1
                 r.prefetch_wait_s += msg.prefetch_wait_s
+            elif isinstance(msg, PrefillError) and msg.retryable:
+                req, outcome = self._hand_on_locked(msg)
             elif isinstance(msg, PrefillError):
                 req = self._finish_locked(msg.request_id)
                 outcome = ServeError(500, msg.error_type, msg.message)
         if req is not None:
             self._resolve(req, outcome)
 
+    def _hand_on_locked(self, msg: PrefillError):
+        """A degraded worker failed a request for what it lost: give it to another worker. Returns
+        (request, ServeError) when none can take it, (None, None) when handed on."""
+        req = self._requests.get(msg.request_id)
+        if req is None:
+            return None, None
+        r = self._ranks[req.rank]
+        if r.queued.pop(msg.request_id, None) is not None or r.running.pop(msg.request_id, None) is not None:
+            r.outstanding_tokens -= len(req.job.input_ids)
+        try:
+            self._assign_locked(req, float("inf"))  # admitted already: the queue bound is for new requests
+            self.num_retried += 1
+            return None, None
+        except ServeError as exc:
+            self._requests.pop(msg.request_id, None)
+            self._changed.notify_all()
+            return req, ServeError(503, msg.error_type, f"{msg.message}; no other worker can take it: {exc.message}",
+                                   retry_after=RETRY_AFTER_S)
+
     def _watch_processes(self) -> None:
         while not self._stop.wait(0.1):
             for r in self._ranks:
                 if r.is_alive and r.process.exitcode is not None:
                     self._on_death(r)
+            self._check_stalls()
+
+    def _check_stalls(self) -> None:
+        """A ready worker silent for stall_timeout_s gets no new requests until it speaks again."""
+        now = time.monotonic()
+        with self._changed:
+            for r in self._ranks:
+                silent = now - r.last_heard
+                if r.is_alive and r.is_ready and not r.is_stalled and silent > self.config.stall_timeout_s:
+                    r.is_stalled = True
+                    log.warning("worker rank %d (pid %s) silent for %.1f s: no new requests until it reports",
+                                r.rank, r.pid, silent)
 
     def _on_death(self, r: _Rank) -> None:
         """Mark `r` dead, fail its running requests, hand its queued ones to other workers."""
@@ -284,6 +344,18 @@ class WorkerPool:
         for req, exc in failed:
             self._resolve(req, exc)
 
+    def inject_fault(self, rank: int) -> list[int]:
+        """Chaos testing: tell every live worker that `rank`'s memory is unreadable from now on;
+        returns the ranks told."""
+        if not 0 <= rank < len(self._ranks):
+            raise ServeError(400, "invalid_request_error", f"rank={rank} is not a worker rank [0, "
+                             f"{len(self._ranks)})", param="rank")
+        with self._lock:
+            told = [r for r in self._ranks if r.is_alive]
+            for r in told:
+                r.requests.put(InjectFault(rank))
+        return [r.rank for r in told]
+
     # -- observability -------------------------------------------------------------------------
     def snapshot(self) -> dict:
         """Health and load of every worker, for /health and /metrics."""
@@ -296,15 +368,19 @@ class WorkerPool:
                 "exit_code": r.exit_code, "queued": len(r.queued), "running": len(r.running),
                 "outstanding_tokens": r.outstanding_tokens, "served_requests": r.served_requests,
                 "served_tokens": r.served_tokens, "forwards": r.forwards,
-                "prefetch_wait_s": r.prefetch_wait_s,
+                "prefetch_wait_s": r.prefetch_wait_s, "routable": r.is_routable, "stalled": r.is_stalled,
+                "lost_peers": r.health.get("lost", {}), "replans": r.health.get("replans", 0),
+                "retried_slices": r.health.get("retried_slices", 0),
+                "unservable_experts": list(r.health.get("unservable_experts", ())),
+                "device_lost": r.health.get("device_lost"),
             } for r in self._ranks]
-            alive = sum(w["alive"] for w in workers)
+            routable = sum(w["routable"] for w in workers)
             if self._is_draining:
                 status = "draining"
-            elif alive == 0:
+            elif routable == 0:
                 status = "unavailable"
             else:
-                status = "ok" if alive == len(workers) else "degraded"
+                status = "ok" if routable == len(workers) else "degraded"
             return {"status": status, "workers": workers, "in_flight": len(self._requests),
-                    "retried": self.num_retried,
+                    "retried": self.num_retried, "failed": self.num_failed,
                     "tokens_per_s": sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S}

@@ -1,9 +1,10 @@
 """Messages between the router and the workers (pickled over multiprocessing queues).
 
-Router -> worker (the worker's own request queue): PrefillJob, or STOP to finish the queue and exit.
+Router -> worker (the worker's own request queue): PrefillJob, InjectFault (chaos testing, acted on
+at once), or STOP to finish the queue and exit.
 Worker -> router (one shared result queue): WorkerReady / WorkerFailed once at startup, then
 BatchStarted when a forward begins, BatchDone when it ends, and one PrefillResult or
-PrefillError per request.
+PrefillError per request; WorkerHealth every few hundred milliseconds (its silence means a stall).
 """
 from __future__ import annotations
 
@@ -68,3 +69,15 @@ class PrefillError:
     rank: int
     error_type: str
     message: str
+    retryable: bool = False     # the rank failed it for what it lost, not for the prompt: try another
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    rank: int
+    status: dict                # dataclasses.asdict(dwdp.failover.FailoverStatus) + can_serve_all
+
+
+@dataclass(frozen=True)
+class InjectFault:
+    rank: int                   # the rank whose memory becomes unreadable (DWDPModel.inject_fault)

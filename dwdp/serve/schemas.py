@@ -31,3 +31,11 @@ class CompletionRequest(BaseModel):
     echo: StrictBool = False
     n: StrictInt = 1
     logprobs: StrictInt | None = None
+
+
+class FaultRequest(BaseModel):
+    """POST /admin/fault: make `rank`'s memory unreadable (every copy from it fails; it serves nothing)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: StrictInt

@@ -6,22 +6,33 @@ After the one collective of DWDP setup the worker never talks to another rank: i
 in its queue, batches it under `max_num_tokens` padded tokens, runs one left-padded forward
 through DWDPModel (whose expert prefetch runs in this same process), and answers every request
 with its first token, timings and a KV artifact.
+
+A health thread reads the peers' liveness (re-planning around a lost one) and reports this rank's
+failover status to the router several times per stall bound; a forward that fails for what the
+rank lost (RankDegraded) answers its requests as retryable, so the router hands them on.
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import multiprocessing
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 from collections import deque
 
 import torch
 
+from ..failover import RankDegraded
 from .config import ServeConfig
 from .kv import request_cache, write_kv_artifact
-from .protocol import STOP, BatchDone, BatchStarted, PrefillError, PrefillJob, PrefillResult, WorkerFailed, WorkerReady
+from .protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
+                       WorkerHealth, WorkerReady)
+
+log = logging.getLogger("dwdp")
 
 
 def take_batch(pending: deque, max_num_tokens: int) -> list[PrefillJob]:
@@ -65,6 +76,37 @@ def model_info(model) -> dict:
             "full_expert_bytes": model.memory.full_expert_bytes}
 
 
+def health_message(model, rank: int) -> WorkerHealth:
+    """This rank's failover status, after reading its peers' liveness now."""
+    status = model.check_peers()
+    return WorkerHealth(rank, {**dataclasses.asdict(status), "can_serve_all": status.can_serve_all})
+
+
+class HealthReporter:
+    """Reports `health_message` to the router every `interval_s` from a thread of its own, so a
+    stopped or hung worker goes silent while an idle one keeps speaking."""
+
+    def __init__(self, model, rank: int, results, interval_s: float):
+        self.model, self.rank, self.results, self.interval_s = model, rank, results, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"dwdp-health-{rank}", daemon=True)
+
+    def start(self) -> "HealthReporter":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.results.put(health_message(self.model, self.rank))
+            except Exception:  # a report lost is a report late; the next one follows
+                log.exception("rank %d: health report failed", self.rank)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
 def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name: str, results) -> None:
     """One forward over `batch`; puts one PrefillResult (or PrefillError) per job on `results`."""
     results.put(BatchStarted(rank, tuple(job.request_id for job in batch)))
@@ -75,6 +117,11 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].argmax(-1).tolist()  # [B] greedy first tokens from logits [B, 1, V]
+    except RankDegraded as exc:  # lost experts or device: another rank can still serve these prompts
+        for job in batch:
+            results.put(PrefillError(job.request_id, rank, "rank_degraded", str(exc), retryable=True))
+        results.put(health_message(model, rank))  # so the router stops sending work here now
+        return
     except Exception as exc:  # one bad forward fails its requests, not the worker
         for job in batch:
             results.put(PrefillError(job.request_id, rank, "prefill_failed", f"rank {rank}: {exc!r}"))
@@ -114,7 +161,8 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
             if job is STOP:
                 stopping = True
                 continue
-            pending.append(job)
+            if not _control(model, rank, job, results):
+                pending.append(job)
         while not stopping:  # take whatever else already arrived, without waiting for more
             try:
                 job = requests.get_nowait()
@@ -122,10 +170,19 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
                 break
             if job is STOP:
                 stopping = True
-            else:
+            elif not _control(model, rank, job, results):
                 pending.append(job)
         if pending:
             run_batch(model, take_batch(pending, config.max_num_tokens), rank, kv_dir, config.model_name, results)
+
+
+def _control(model, rank: int, message, results) -> bool:
+    """Act on a control message (True), or leave a PrefillJob to the caller (False)."""
+    if isinstance(message, InjectFault):
+        model.inject_fault(message.rank, "injected through POST /admin/fault")
+        results.put(health_message(model, rank))
+        return True
+    return False
 
 
 def build_worker_model(config: ServeConfig):
@@ -134,7 +191,8 @@ def build_worker_model(config: ServeConfig):
     from ..group import init_group
     from ..model import DWDPModel
 
-    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="host")
+    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="host", expert_replicas=config.expert_replicas,
+                             peer_timeout_s=config.peer_timeout_s)
     group = init_group()
     if config.model is not None:
         return DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group)
@@ -153,14 +211,17 @@ def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfi
     torch.set_num_threads(config.threads_per_worker)
     import torch.distributed as dist
 
-    model = None
+    model = reporter = None
     try:
         model = build_worker_model(config)
         results.put(WorkerReady(rank, os.getpid(), model_info(model)))
+        reporter = HealthReporter(model, rank, results, config.health_interval_s).start()
         serve_queue(model, rank, config, kv_dir, requests, results)
     except BaseException:
         results.put(WorkerFailed(rank, traceback.format_exc()))
     finally:
+        if reporter is not None:
+            reporter.stop()
         if model is not None:
             model.close()
         if dist.is_initialized():

@@ -1,7 +1,7 @@
 """Transports: one interface, a backend per kind of memory."""
 from __future__ import annotations
 
-from .base import PrefetchError, PrefetchTimeout, Ticket, Transport
+from .base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Ticket, Transport
 from .host import HostTransport
 
 
@@ -34,5 +34,5 @@ def make_transport(backend: str, rank: int, config, *, device=None, mapping: str
     raise ValueError(f"backend={backend!r} has no transport; expected 'host' or 'cuda'")
 
 
-__all__ = ["HostTransport", "PrefetchError", "PrefetchTimeout", "Ticket", "Transport", "make_transport",
-           "resolve_backend"]
+__all__ = ["HostTransport", "PeerCopyError", "PeerUnreadable", "PrefetchError", "PrefetchTimeout", "Ticket",
+           "Transport", "make_transport", "resolve_backend"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -16,6 +18,18 @@ class PrefetchTimeout(TimeoutError):
 
 class PrefetchError(RuntimeError):
     """A prefetch failed; the message names the rank, layer, slot, source peers and the cause."""
+
+
+class PeerCopyError(PrefetchError):
+    """A copy from one peer failed: `peer` names it, so the caller can treat that source as lost."""
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
+
+
+class PeerUnreadable(RuntimeError):
+    """The fault hook's error: this peer's memory is treated as unreadable (a lost device)."""
 
 
 class Ticket:
@@ -34,11 +48,22 @@ class Ticket:
         for s in plan.slices:
             self._left_peer[s.peer] = self._left_peer.get(s.peer, 0) + 1
         self.error: BaseException | None = None
+        self.failed_peer: int | None = None  # the source whose copy failed, when one did
+        self._running = 0                    # slices a copier is copying right now
         self.submitted_ns = time.perf_counter_ns()
         self.finished_ns: int | None = self.submitted_ns if not plan.slices else None
 
+    def _start_slice(self) -> bool:
+        """A copier is about to read a slice; False once the ticket failed (skip it)."""
+        with self._cond:
+            if self.error is not None:
+                return False
+            self._running += 1
+            return True
+
     def _finish_slice(self, peer: int, expert: int) -> None:
         with self._cond:
+            self._running -= 1
             self._left_total -= 1
             self._left_expert[expert] -= 1
             self._left_peer[peer] -= 1
@@ -48,11 +73,37 @@ class Ticket:
             if self._left_expert[expert] == 0:
                 self._cond.notify_all()
 
-    def _fail(self, error: BaseException) -> None:
+    def _fail(self, error: BaseException, peer: int | None = None, started: bool = False) -> None:
+        """Record the first failure (`peer`: the source of the failed copy; `started`: it came from
+        a slice that `_start_slice` let run)."""
         with self._cond:
+            if started:
+                self._running -= 1
             if self.error is None:
-                self.error = error
+                self.error, self.failed_peer = error, peer
             self._cond.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        """Copy nothing more for this ticket (its sources were re-planned)."""
+        self._fail(RuntimeError(f"cancelled: {reason}"))
+
+    def quiesce(self, timeout: float) -> None:
+        """Once failed or cancelled: block until no copier still writes for this ticket, so a retry
+        into the same slot is not overwritten by a late slice."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._running == 0, timeout=timeout):
+                raise PrefetchTimeout(f"rank {self.plan.rank}: {self._running} slice(s) of layer {self.plan.layer} "
+                                      f"into slot {self.plan.slot} still copying after {timeout:.3g} s")
+
+    def outstanding_peers(self) -> dict[int, int]:
+        """Slices not landed yet, per source peer."""
+        with self._cond:
+            return {p: n for p, n in sorted(self._left_peer.items()) if n}
+
+    def missing_experts(self) -> tuple[int, ...]:
+        """Experts of the plan whose slices have not all landed."""
+        with self._cond:
+            return tuple(sorted(e for e, n in self._left_expert.items() if n))
 
     def done(self) -> bool:
         with self._cond:
@@ -98,15 +149,19 @@ class Ticket:
         if self.finished_ns is None:
             try:
                 self.wait(timeout)
-            except (RuntimeError, TimeoutError):
+            except RuntimeError:
+                self.quiesce(timeout)  # failed: slices already running may still land
+            except TimeoutError:
                 pass
 
     def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(
-                f"rank {self.plan.rank}: prefetch of layer {self.plan.layer} into slot {self.plan.slot} failed: "
-                f"{self.error!r}"
-            ) from self.error
+        if self.error is None:
+            return
+        where = f"rank {self.plan.rank}: prefetch of layer {self.plan.layer} into slot {self.plan.slot} failed"
+        if self.failed_peer is not None:
+            raise PeerCopyError(f"{where}: copy from peer {self.failed_peer}: {self.error!r}",
+                                self.failed_peer) from self.error
+        raise RuntimeError(f"{where}: {self.error!r}") from self.error
 
 
 class Transport(ABC):
@@ -119,6 +174,8 @@ class Transport(ABC):
     """
 
     name: str
+    rank: int
+    faulty_peers: Mapping[int, str] = MappingProxyType({})  # peer -> why copies from it fail (fault hook)
 
     @abstractmethod
     def alloc_segment(self, nbytes: int) -> torch.Tensor:
@@ -143,6 +200,21 @@ class Transport(ABC):
     @abstractmethod
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> Ticket:
         """Start copying `plan` into `slot_buffer`; returns at once."""
+
+    def fail_copies_from(self, peer: int, reason: str = "injected fault") -> None:
+        """Fault hook: from now on every copy from `peer` fails, naming it, as if its memory had
+        become unreadable (a device lost). Chaos tests and `dwdp serve --fault-injection` use it."""
+        self.faulty_peers = MappingProxyType({**self.faulty_peers, peer: reason})
+
+    def _check_readable(self, peer: int) -> None:
+        reason = self.faulty_peers.get(peer)
+        if reason is not None:
+            raise PeerUnreadable(f"rank {self.rank}: memory of peer {peer} is unreadable ({reason})")
+
+    @abstractmethod
+    def forget_peer(self, peer: int) -> None:
+        """`peer` was lost and no plan reads it any more: drop its mapping once no copy in flight
+        reads it, so its memory goes with the last survivor that read it."""
 
     def release_slot(self, slot: int) -> None:
         """Compute has issued its last read of prefetch slot `slot`. A device backend records the

@@ -27,7 +27,7 @@ import torch
 
 from . import cuda_api
 from ..plan import CopyPlan, cut_batches
-from .base import PrefetchError, PrefetchTimeout, Transport
+from .base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
 
 log = logging.getLogger("dwdp")
 
@@ -70,8 +70,21 @@ class CudaTicket:
             self.error = error
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self.error, PeerCopyError):
+            raise PeerCopyError(f"{self._where()} failed: {self.error}", self.error.peer) from self.error
         if self.error is not None:
             raise PrefetchError(f"{self._where()} failed: {self.error}") from self.error
+
+    def cancel(self, reason: str) -> None:
+        self._fail(PrefetchError(f"cancelled: {reason}"))
+
+    def quiesce(self, timeout: float) -> None:
+        """Copies of this ticket already enqueued run before any later copy on the same stream."""
+
+    def missing_experts(self) -> tuple[int, ...]:
+        """Every expert of the plan: an enqueued batch is not known to have landed until its event
+        completes, and the host must not ask (that would block), so a retry copies them all again."""
+        return tuple(sorted({s.expert for s in self.plan.slices}))
 
     def _device_call(self, fn, *args, peers=None):
         """Run one api call for this ticket; a CUDA error (often a sticky one from an earlier copy)
@@ -168,10 +181,13 @@ class CudaTransport(Transport):
         self._peer_ptrs: list[int] = []
         self._peer_nbytes: list[int] = []
         self._opened: list[int] = []           # IPC bases this rank opened, closed exactly once
+        self._peer_bases: dict[int, int] = {}  # peer -> the IPC base opened for it
         self._stream: int | None = None
         self._consume: dict[int, int] = {}      # slot -> consume event
         self._slot_events: dict[int, list[int]] = {}  # slot -> one event per batch
         self._issued: dict[tuple[int, int], tuple[CopyPlan, list[_IssuedBatch]]] = {}
+        self._forgotten: set[int] = set()        # lost peers no copy may read any more
+        self._unmap_after: list[tuple[int, int]] = []  # (IPC base, fence event on the copy stream)
         self._closed = False
         self.recorder = None  # copy slices have no host lane on this backend: see NVTX / Nsight instead
 
@@ -232,6 +248,7 @@ class CudaTransport(Transport):
                     f"{handle.get('device')}): {exc}"
                 ) from exc
             self._opened.append(base)
+            self._peer_bases[r] = base
             ptrs.append(base + int(handle["offset"]))
         return ptrs
 
@@ -302,6 +319,8 @@ class CudaTransport(Transport):
             raise RuntimeError(f"rank {self.rank}: submit() before open()")
         if slot_buffer.dtype != torch.uint8 or not slot_buffer.is_contiguous():
             raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
+        if self._unmap_after:
+            self._unmap_landed()
         batches = self._resolve(plan, slot_buffer)
         api, stream = self.api, self._stream
         events = self._batch_events(plan.slot, len(batches))
@@ -324,6 +343,13 @@ class CudaTransport(Transport):
         return ticket
 
     def _issue(self, batch: _IssuedBatch, stream: int) -> None:
+        for peer in batch.peers:  # the fault hook and lost peers: refused before anything is enqueued
+            if peer in self._forgotten:
+                raise PeerCopyError(f"rank {self.rank}: peer {peer} was lost and its mapping released", peer)
+            try:
+                self._check_readable(peer)
+            except PeerUnreadable as exc:
+                raise PeerCopyError(str(exc), peer) from exc
         try:
             if self.copy == "batch":
                 self.api.memcpy_batch_async(batch.dsts, batch.srcs, batch.sizes, stream, self.prefer_overlap)
@@ -332,9 +358,44 @@ class CudaTransport(Transport):
                     self.api.memcpy_async(dst, src, n, stream)
         except cuda_api.CudaError as exc:
             index = getattr(exc, "fail_index", None)
-            culprit = (f"copy {index} from peer {batch.peers_of_copies[index]}" if index is not None
-                       else f"a copy from peers {list(batch.peers)}")
-            raise PrefetchError(f"rank {self.rank}: {culprit} failed to enqueue: {exc}") from exc
+            if index is None:
+                raise PrefetchError(f"rank {self.rank}: a copy from peers {list(batch.peers)} failed to enqueue: "
+                                    f"{exc}") from exc
+            peer = batch.peers_of_copies[index]
+            raise PeerCopyError(f"rank {self.rank}: copy {index} from peer {peer} failed to enqueue: {exc}",
+                                peer) from exc
+
+    def forget_peer(self, peer: int) -> None:
+        """Refuse copies from `peer` from now on and close its IPC mapping once the copies already
+        enqueued from it have run (a fence on the copy stream, checked without blocking)."""
+        if peer == self.rank or not 0 <= peer < len(self._peer_ptrs):
+            raise ValueError(f"rank {self.rank}: cannot forget peer {peer}; expected another rank of "
+                             f"[0, {len(self._peer_ptrs)})")
+        if peer in self._forgotten:
+            return
+        self._forgotten.add(peer)
+        base = self._peer_bases.get(peer)
+        if base is not None and self._stream is not None:
+            fence = self.api.event_create()
+            self.api.event_record(fence, self._stream)
+            self._unmap_after.append((base, fence))
+        self._unmap_landed()
+
+    def _unmap_landed(self) -> None:
+        """Close the mappings of forgotten peers whose fence has completed."""
+        waiting = []
+        for base, fence in self._unmap_after:
+            try:
+                landed = self.api.event_query(fence)
+            except cuda_api.CudaError:
+                landed = False  # a sticky error: leave the mapping to close()
+            if not landed:
+                waiting.append((base, fence))
+                continue
+            self.api.event_destroy(fence)
+            self._opened.remove(base)
+            self.api.ipc_close(base)
+        self._unmap_after = waiting
 
     def release_slot(self, slot: int) -> None:
         """Record the slot's consume event on the compute stream, after the reads just issued."""
@@ -374,7 +435,9 @@ class CudaTransport(Transport):
             self._close_mappings()
         else:
             self._opened = []
-        for event in [*self._consume.values(), *(e for evs in self._slot_events.values() for e in evs)]:
+        fences = [fence for _, fence in self._unmap_after]
+        self._unmap_after = []
+        for event in [*self._consume.values(), *(e for evs in self._slot_events.values() for e in evs), *fences]:
             try:
                 self.api.event_destroy(event)
             except cuda_api.CudaError:

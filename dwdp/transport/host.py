@@ -18,7 +18,7 @@ import torch
 from .. import envs
 from ..plan import CopyPlan
 from ..tracing import now_us
-from .base import Ticket, Transport
+from .base import PeerUnreadable, Ticket, Transport
 
 SEGMENT_PREFIX = "dwdp-seg-"
 
@@ -33,12 +33,12 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments(directory: Path) -> list[Path]:
-    """Unlink segment files whose owning process no longer exists; returns what was removed."""
+def sweep_stale_segments(directory: Path, prefix: str = SEGMENT_PREFIX) -> list[Path]:
+    """Unlink `prefix`<pid>-... files whose owning process no longer exists; returns what was removed."""
     removed = []
-    for path in directory.glob(f"{SEGMENT_PREFIX}*"):
+    for path in directory.glob(f"{prefix}*"):
         try:
-            pid = int(path.name[len(SEGMENT_PREFIX):].split("-", 1)[0])
+            pid = int(path.name[len(prefix):].split("-", 1)[0])
         except ValueError:
             continue
         if not _pid_alive(pid):
@@ -60,7 +60,8 @@ class HostTransport(Transport):
         self.shm_dir = Path(shm_dir or envs.shm_dir())
         self._path: Path | None = None
         self._segment: torch.Tensor | None = None
-        self._peers: list[torch.Tensor] = []
+        self._peers: list[torch.Tensor | None] = []  # None once a lost peer is forgotten
+        self.peer_paths: list[str] = []  # segment file of every rank (unlinked after seal; names for /proc/self/maps)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closed = False
@@ -98,6 +99,7 @@ class HostTransport(Transport):
                 raise FileNotFoundError(f"rank {self.rank}: segment {path} of peer {r} does not exist")
             peers.append(map_file(path, max(handle["nbytes"], 1))[: handle["nbytes"]])
         self._peers = peers
+        self.peer_paths = [str(h["path"]) for h in handles]
         self._start_copiers()
 
     def seal(self) -> None:
@@ -121,22 +123,29 @@ class HostTransport(Transport):
             if item is None:
                 return
             ticket, dst, s = item
-            if ticket.error is not None:
-                continue
+            if not ticket._start_slice():
+                continue  # the ticket failed or was cancelled: its other slices are retried elsewhere
             recorder = self.recorder
             start = now_us() if recorder is not None else 0.0
             try:
-                # torch releases the GIL inside copy_, so copiers and compute run in parallel.
-                dst[s.dst_offset : s.dst_offset + s.nbytes].copy_(
-                    self._peers[s.peer][s.src_offset : s.src_offset + s.nbytes]
-                )
+                self._copy_slice(dst, s)
             except BaseException as exc:  # surfaced to the waiter, never lost in a thread
-                ticket._fail(exc)
+                ticket._fail(exc, peer=s.peer, started=True)
                 continue
             if recorder is not None:
                 recorder.copy_slice(worker, start, now_us(), s.peer, s.nbytes, ticket.plan.layer, ticket.plan.slot,
                                     s.expert)
             ticket._finish_slice(s.peer, s.expert)
+
+    def _copy_slice(self, dst: torch.Tensor, s) -> None:
+        # A function of its own: the view of a peer's segment dies on return, so a forgotten
+        # peer's mapping is not kept alive by an idle copier.
+        self._check_readable(s.peer)
+        source = self._peers[s.peer]
+        if source is None:
+            raise PeerUnreadable(f"rank {self.rank}: peer {s.peer} was lost and its segment released")
+        # torch releases the GIL inside copy_, so copiers and compute run in parallel.
+        dst[s.dst_offset : s.dst_offset + s.nbytes].copy_(source[s.src_offset : s.src_offset + s.nbytes])
 
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> Ticket:
         if self._closed:
@@ -149,6 +158,14 @@ class HostTransport(Transport):
         for s in plan.slices:
             self._queue.put((ticket, slot_buffer, s))
         return ticket
+
+    def forget_peer(self, peer: int) -> None:
+        """Unmap `peer`'s segment (the caller made sure no ticket still reads it): with its name
+        unlinked at seal, the memory goes once the last rank that mapped it lets go."""
+        if peer == self.rank or not 0 <= peer < len(self._peers):
+            raise ValueError(f"rank {self.rank}: cannot forget peer {peer}; expected another rank of "
+                             f"[0, {len(self._peers)})")
+        self._peers[peer] = None
 
     def close(self) -> None:
         if self._closed:

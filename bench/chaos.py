@@ -1,0 +1,234 @@
+"""Serving under load while one rank is lost: killed (SIGKILL), its memory made unreadable
+(POST /admin/fault), or stopped for a few seconds (SIGSTOP, then SIGCONT), each mid-run on a
+fresh `dwdp serve` whose every expert has two owners.
+
+The load is bench/serve_load.py's open loop (Poisson arrivals, imbalanced clients). Per case:
+The fault starts `--fault-at` seconds in, or up to 3 s later once the victim runs a forward.
+- sent, correct (first token equal to the unwrapped model's, or tied with it within 1e-4 + 1e-4 x
+  the largest logit), wrong, failed with a clear error (a 5xx whose message names the victim
+  rank), failed otherwise, lost (no HTTP answer at all: must be 0), handed on (requests the router
+  moved from the victim to a survivor);
+- survivors' throughput (prompt tokens answered per second by the other ranks) before the fault
+  and while it lasts (the stop window for a stall; fault to end otherwise), and their prefill time
+  per 1k batch tokens in the same windows (a survivor slowed by the victim shows there);
+- recovery: from the fault to the start t of the first 2-s window [t, t + 2) (t >= fault, in 0.1-s
+  steps) in which the survivors answered, correctly, at least 90 % of the prompt tokens offered in
+  the same window shifted back by the pre-fault median TTFT: the survivors carry the whole offered
+  load again. 0 when they never fell behind.
+Prints the table last; writes bench/results/chaos_cpu.json (machine, load average, every request).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from dwdp.group import free_port
+from dwdp.serve.launch import ServerProcess
+from dwdp.serve.presets import preset_model
+from dwdp.timing import load_average_1min, machine
+from serve_load import arrivals, command_line, render_table, run_rate
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CASES = ("kill", "unreadable", "stall")
+ATOL, RTOL = 1e-4, 1e-4           # first-token tie tolerance, as tests/test_serve.py
+WINDOW_S, STEP_S, CARRIED = 2.0, 0.1, 0.9
+
+
+async def _busy(url: str, victim: int, patience_s: float) -> bool:
+    """Wait (at most `patience_s`) until the victim runs a forward, so the fault hits work in flight."""
+    deadline = time.perf_counter() + patience_s
+    async with httpx.AsyncClient(timeout=10) as http:
+        while time.perf_counter() < deadline:
+            if (await http.get(f"{url}/health")).json()["workers"][victim]["running"] > 0:
+                return True
+            await asyncio.sleep(0.02)
+    return False
+
+
+async def _inject(case: str, url: str, pid: int, victim: int, at_s: float, stall_s: float, start: float) -> dict:
+    """Hit the victim `at_s` after `start` (or a little later, once it runs a forward); returns when
+    the fault began and (stall) ended."""
+    await asyncio.sleep(max(0.0, start + at_s - time.perf_counter()))  # the fault's moment in the run
+    busy = await _busy(url, victim, patience_s=3.0)
+    began = time.perf_counter() - start
+    if case == "kill":
+        os.kill(pid, signal.SIGKILL)
+        return {"fault_s": began, "end_s": None, "victim_busy": busy}
+    if case == "unreadable":
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{url}/admin/fault", json={"rank": victim})
+        r.raise_for_status()
+        return {"fault_s": began, "end_s": None, "victim_busy": busy}
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(stall_s)  # the stall itself: the victim stays stopped this long
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    return {"fault_s": began, "end_s": time.perf_counter() - start, "victim_busy": busy}
+
+
+async def _run_case(case: str, url: str, plan: list, pid: int, args) -> tuple[list[dict], dict]:
+    start = time.perf_counter() + 0.2
+    (results, _), fault = await asyncio.gather(run_rate(url, plan, args.timeout, start),
+                                               _inject(case, url, pid, args.victim, args.fault_at, args.stall, start))
+    for r in results:
+        r["done"] -= start
+    return results, fault
+
+
+def first_token_ok(model, ids: list[int], token: int) -> bool:
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+    best = int(logits.argmax())
+    return token == best or float(logits[best] - logits[token]) <= ATOL + RTOL * float(logits.abs().max())
+
+
+def _tokens_ok(plan: list, results: list[dict], model) -> list[bool]:
+    """Per request: answered with the unwrapped model's first token (False when not answered)."""
+    return [r["status"] == 200 and first_token_ok(model, ids, r["first_token_id"])
+            for (_, _, ids), r in zip(plan, results)]
+
+
+def _rate(answers: list[dict], lo: float, hi: float, ranks) -> float:
+    """Prompt tokens per second answered by `ranks` in [lo, hi)."""
+    if hi <= lo:
+        return float("nan")
+    return sum(r["tokens"] for r in answers if r["rank"] in ranks and lo <= r["done"] < hi) / (hi - lo)
+
+
+def _prefill_ms_per_1k(answers: list[dict], lo: float, hi: float, ranks) -> float:
+    """Median prefill ms per 1000 batch tokens of `ranks`' forwards answered in [lo, hi)."""
+    per = [1e6 * r["prefill_s"] / r["batch_tokens"] for r in answers
+           if r["rank"] in ranks and lo <= r["done"] < hi]
+    return statistics.median(per) if per else float("nan")
+
+
+def summarise(case: str, plan: list, results: list[dict], fault: dict, model, args, ranks: int, health: dict) -> dict:
+    victim = args.victim
+    survivors = [r for r in range(ranks) if r != victim]
+    ok = [r for r in results if r["status"] == 200]
+    checked = _tokens_ok(plan, results, model)
+    correct = [c for c, r in zip(checked, results) if r["status"] == 200]
+    clear = [r for r in results if isinstance(r["status"], int) and r["status"] >= 500
+             and f"rank {victim}" in r["message"]]
+    lost = [r for r in results if r["status"] == "transport"]
+    t0, t1 = fault["fault_s"], fault["end_s"] or max(r["done"] for r in results)
+    lag = statistics.median(r["ttft_s"] for (at, _, _), r in zip(plan, results) if r["status"] == 200 and at < t0)
+    answered = [(r["done"], r["tokens"]) for r, good in zip(results, checked) if good and r["rank"] in survivors]
+    recovery, t, end = None, t0, max(r["done"] for r in results) - WINDOW_S
+    while t <= end:
+        offered = sum(len(ids) for at, _, ids in plan if t - lag <= at < t + WINDOW_S - lag)
+        carried = sum(n for done, n in answered if t <= done < t + WINDOW_S)
+        if offered and carried >= CARRIED * offered:
+            recovery = t - t0
+            break
+        t += STEP_S
+    return {
+        "case": case, "victim": victim, "sent": len(plan), "correct": sum(correct),
+        "wrong": len(correct) - sum(correct), "failed_clear": len(clear),
+        "failed_other": len(results) - len(ok) - len(clear) - len(lost), "lost": len(lost),
+        "errors": sorted({f"{r['status']} {r['error']}: {r['message'][:160]}" for r in results if r["status"] != 200}),
+        "fault_s": t0, "fault_end_s": fault["end_s"], "victim_busy_at_fault": fault["victim_busy"],
+        "recovery_s": recovery,
+        "ttft_median_before_s": lag,
+        "survivor_tok_s_before": _rate(ok, 0.0, t0, survivors), "survivor_tok_s_during": _rate(ok, t0, t1, survivors),
+        "survivor_prefill_ms_per_1k_before": _prefill_ms_per_1k(ok, 0.0, t0, survivors),
+        "survivor_prefill_ms_per_1k_during": _prefill_ms_per_1k(ok, t0, t1, survivors),
+        "survivors_after": {w["rank"]: {k: w[k] for k in ("lost_peers", "replans", "retried_slices", "routable",
+                                                          "unservable_experts")}
+                            for w in health["workers"] if w["rank"] != victim},
+        "server_retried_requests": health["retried"], "server_failed_requests": health["failed"],
+        "requests": results,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    header = ("case", "sent", "correct", "wrong", "failed (names rank)", "failed other", "lost", "handed on",
+              "recovery s",
+              "survivor tok/s before", "during", "ratio", "prefill ms/1k tok before", "during")
+
+    def num(x, fmt):
+        return "n/a" if x is None or x != x else format(x, fmt)
+
+    lines = [(r["case"], str(r["sent"]), str(r["correct"]), str(r["wrong"]), str(r["failed_clear"]),
+              str(r["failed_other"]), str(r["lost"]), str(r["server_retried_requests"]), num(r["recovery_s"], ".2f"),
+              num(r["survivor_tok_s_before"], ".0f"), num(r["survivor_tok_s_during"], ".0f"),
+              num(r["survivor_tok_s_during"] / r["survivor_tok_s_before"], ".2f"),
+              num(r["survivor_prefill_ms_per_1k_before"], ".0f"), num(r["survivor_prefill_ms_per_1k_during"], ".0f"))
+             for r in rows]
+    return render_table(header, lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
+    p.add_argument("--ranks", type=int, default=3, help="workers (default 3)")
+    p.add_argument("--expert-replicas", type=int, default=2, help="owners of every expert (default 2)")
+    p.add_argument("--victim", type=int, default=1, help="the rank hit (default 1)")
+    p.add_argument("--rate", type=float, default=6.0, help="offered requests per second (default 6)")
+    p.add_argument("--duration", type=float, default=24.0, help="sending window per case, s (default 24)")
+    p.add_argument("--fault-at", type=float, default=8.0, help="seconds into the window the fault starts (default 8)")
+    p.add_argument("--stall", type=float, default=4.0, help="seconds the stalled rank stays stopped (default 4)")
+    p.add_argument("--max-num-tokens", type=int, default=1024, help="server's padded tokens per forward")
+    p.add_argument("--peer-timeout", type=float, default=1.0, help="server's --peer-timeout (default 1)")
+    p.add_argument("--stall-timeout", type=float, default=1.0, help="server's --stall-timeout (default 1)")
+    p.add_argument("--timeout", type=float, default=120.0, help="longest wait for one answer, s")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--isl", type=int, default=256)
+    p.add_argument("--isl-ratio", type=float, default=0.25)
+    p.add_argument("--cv", type=float, default=0.2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="JSON path (default bench/results/chaos_cpu.json)")
+    args = p.parse_args()
+    cases = args.cases.split(",")
+    bad = [c for c in cases if c not in CASES]
+    if bad or not 0 <= args.victim < args.ranks or not 0 < args.fault_at < args.duration:
+        p.error(f"cases {bad} not in {CASES}, or victim {args.victim} not in [0, {args.ranks}), or fault-at "
+                f"{args.fault_at} not inside the duration {args.duration}")
+
+    model = preset_model("tiny", seed=0)  # the unwrapped model every answer is checked against
+    server_args = ["--ranks", str(args.ranks), "--expert-replicas", str(args.expert_replicas), "--preset", "tiny",
+                   "--max-num-tokens", str(args.max_num_tokens), "--peer-timeout", str(args.peer_timeout),
+                   "--stall-timeout", str(args.stall_timeout), "--fault-injection"]
+    load_before = load_average_1min()
+    rows = []
+    for i, case in enumerate(cases):
+        plan = arrivals(args.rate, 10_000, args.duration, args.clients, args.isl, args.isl_ratio, args.cv,
+                        args.max_num_tokens, args.seed + i)
+        with ServerProcess(server_args, free_port(), startup_timeout_s=300) as server:
+            health = httpx.get(f"{server.url}/health", timeout=10).json()
+            pid = health["workers"][args.victim]["pid"]
+            warm = arrivals(100.0, 2 * args.ranks, 10.0, args.clients, args.isl, args.isl_ratio, 0.0,
+                            args.max_num_tokens, args.seed + 999)
+            asyncio.run(run_rate(server.url, warm, args.timeout))  # first forwards touch buffers, build plans
+            results, fault = asyncio.run(_run_case(case, server.url, plan, pid, args))
+            health = httpx.get(f"{server.url}/health", timeout=10).json()
+        rows.append(summarise(case, plan, results, fault, model, args, args.ranks, health))
+        print(f"{case}: {rows[-1]['errors'] or 'no errors'}", flush=True)
+    out = Path(args.out) if args.out else RESULTS / "chaos_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"command": command_line("chaos.py", args),
+            "machine": machine(), "device": "cpu",
+            "load_average_1min": {"before": load_before, "after": load_average_1min()},
+            "server": "dwdp serve " + " ".join(server_args),
+            "model": "tiny preset (DeepSeek-V3-style, 16 experts x 4 MoE layers, fp32)",
+            "definitions": __doc__.split("\n\n")[1]}
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"chaos: {args.ranks} ranks, every expert on {args.expert_replicas}; rank {args.victim} hit {args.fault_at:g} s "
+          f"into {args.duration:g} s at {args.rate:g} req/s; CPU only, {os.cpu_count()} cores, 1-min load average "
+          f"{load_before:.2f} before, {meta['load_average_1min']['after']:.2f} after; results in {out}")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
