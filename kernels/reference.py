@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .block_scales import BlockQuant, dequantize
 from .grouped_gemm import SWIGLU, Epilogue
 
 
@@ -18,6 +19,9 @@ def grouped_gemm_reference(
     expert_offsets: torch.Tensor | Sequence[int],
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor] | None = None,
+    *,
+    weight_scales: Sequence[torch.Tensor] | None = None,
+    quant: BlockQuant | None = None,
 ) -> torch.Tensor:
     """out[rows of e] = x_sorted[rows of e] @ weights[e].T (+ biases[e]) for each expert e.
 
@@ -25,7 +29,11 @@ def grouped_gemm_reference(
     expert_offsets: [E + 1] row offsets (offsets[0] = 0, offsets[E] = T), tensor or ints.
     weights: E views [N, K], each wherever its expert lives (local parameter or a prefetch
         buffer); they are read in place, never concatenated. A transposed view ([K, N] storage) is fine.
+        Quantized (with `weight_scales` and `quant`): each view as stored (fp8 [N, K], MXFP4 blocks
+        [N, K / 32, 16]); an expert's weight is dequantized to x's dtype only when it has rows, one
+        expert at a time, and dropped before the next.
     biases: optional E views [N], one per expert.
+    weight_scales: E views of block scales (kernels.block_scales), with `quant`.
     Returns [T, N] in x_sorted's dtype.
     """
     offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
@@ -37,13 +45,20 @@ def grouped_gemm_reference(
         raise ValueError("weights is empty: expected one [N, K] view per expert")
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"biases has {len(biases)} entries, expected one per expert ({len(weights)})")
+    if (weight_scales is None) != (quant is None):
+        raise ValueError("weight_scales and quant go together: both for quantized weights, neither for dense ones")
+    if weight_scales is not None and len(weight_scales) != len(weights):
+        raise ValueError(f"weight_scales has {len(weight_scales)} entries, expected one per expert ({len(weights)})")
     n = weights[0].shape[0]
     out = x_sorted.new_empty(x_sorted.shape[0], n)  # [T, N]
-    for e, w in enumerate(weights):
+    for e in range(len(weights)):
         lo, hi = offsets[e], offsets[e + 1]
         if hi < lo:
             raise ValueError(f"expert_offsets decreases at expert {e}: {lo} > {hi}")
         if hi > lo:
+            w = weights[e]
+            if quant is not None:
+                w = dequantize(w, weight_scales[e], quant, x_sorted.dtype)  # [N, K], this expert only
             out[lo:hi] = F.linear(x_sorted[lo:hi], w, None if biases is None else biases[e])
     return out
 
