@@ -378,9 +378,12 @@ def plan_keys(model: torch.nn.Module, shards: Shards, layers: list[ExpertsLayer]
         elif not any(p.search(key) for p in ignored):
             unexpected.append(key)
     if unexpected:
+        scales = [k for k in unexpected if k.endswith((SCALE_SUFFIX, "_blocks", "_scales"))]
+        hint = (f"; {scales[0]!r} looks like quantized weights: is config.json missing the checkpoint's "
+                "quantization_config?" if scales and not any(layer.spec.math.quantized for layer in layers) else "")
         raise CheckpointError(
             f"{shards.index}: {len(unexpected)} tensors have no place in {type(model).__name__}, "
-            f"e.g. {unexpected[:3]} (in {shards.file_of(unexpected[0]).name})"
+            f"e.g. {unexpected[:3]} (in {shards.file_of(unexpected[0]).name}){hint}"
         )
     for (name, _), entry in plan.experts.items():
         _check_complete(f"{name}.{entry.tensor.param}", entry, shards)
