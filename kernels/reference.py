@@ -100,6 +100,10 @@ def moe_experts_reference(
     first_bias: Sequence[torch.Tensor] | None = None,
     down_bias: Sequence[torch.Tensor] | None = None,
     epilogue: Epilogue = SWIGLU,
+    first_scales: Sequence[torch.Tensor] | None = None,
+    down_scales: Sequence[torch.Tensor] | None = None,
+    first_quant: BlockQuant | None = None,
+    down_quant: BlockQuant | None = None,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * down_e(gate(gate_up_e x_t + b1_e)) + b2_e) with e = top_k_index[t, j].
 
@@ -110,6 +114,8 @@ def moe_experts_reference(
     gate_up: E views [2I, H] (gate and up halves, or interleaved rows; [I, H] when the epilogue is
     not gated); down: E views [H, I]; either may be a transposed view. first_bias: E views [2I];
     down_bias: E views [H]. epilogue: the gate (default silu(gate) * up).
+    first_scales / down_scales with first_quant / down_quant: quantized weights (as stored) and their
+    block scales, each expert dequantized to hidden's dtype when it has tokens.
     Returns [T, H] in hidden's dtype.
     """
     if len(gate_up) != len(down):
@@ -123,7 +129,12 @@ def moe_experts_reference(
             continue
         b1 = None if first_bias is None else first_bias[e]
         b2 = None if down_bias is None else down_bias[e]
-        h = epilogue_reference(F.linear(hidden[token_idx], gate_up[e], b1), epilogue)  # [n_e, I]
-        y = F.linear(h, down[e], b2)  # [n_e, H]
+        w1, w2 = gate_up[e], down[e]
+        if first_scales is not None:
+            w1 = dequantize(w1, first_scales[e], first_quant, hidden.dtype)  # [2I, H], this expert only
+        if down_scales is not None:
+            w2 = dequantize(w2, down_scales[e], down_quant, hidden.dtype)    # [H, I]
+        h = epilogue_reference(F.linear(hidden[token_idx], w1, b1), epilogue)  # [n_e, I]
+        y = F.linear(h, w2, b2)  # [n_e, H]
         per_slot[token_idx, pos] = y * top_k_weights[token_idx, pos, None].to(y.dtype)
     return per_slot.sum(dim=1)
