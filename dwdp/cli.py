@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="PATH", help="also write the table, the machine and its load average to PATH")
     demo.add_argument("--family", default="deepseek_v3",
                       help="MoE family of the tiny model (a transformers.models package; `dwdp families` lists them)")
+    demo.add_argument("--dtype", choices=("fp32", "fp8", "mxfp4"), default="fp32",
+                      help="experts' weights: fp32, fp8 with 128x128 block scales, or MXFP4; checked against the "
+                           "unwrapped model on the same quantized weights (default fp32)")
     families = sub.add_parser("families", help="the MoE families of the installed transformers and how dwdp wraps each")
     families.add_argument("--markdown", action="store_true", help="print the README's family block")
     tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
@@ -111,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"dwdp demo: --{exc}") from None
         return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
-                        args.trace, args.json, args.family)
+                        args.trace, args.json, args.family, args.dtype)
     if args.command == "families":
         from .coverage import README_BEGIN, README_END, all_families, markdown
 
