@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     source = tune.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH", help="local model directory (its config.json; random weights)")
     source.add_argument("--family", help="a tiny model of this family instead of the demo model")
+    tune.add_argument("--dtype", choices=("fp8", "mxfp4"),
+                      help="experts quantized as fp8 (128x128 block scales) or MXFP4 (default: as the config says)")
     tune.add_argument("--group-size", type=_positive_int, default=4, help="ranks per DWDP group (default 4)")
     tune.add_argument("--max-num-tokens", type=_positive_int, default=256, help="tokens per forward (default 256)")
     tune.add_argument("--slice-sizes", default="65536,262144,1048576,4194304",
@@ -87,6 +89,12 @@ def _tune(args) -> int:
         from .tiny import tiny_config
 
         model_config = tiny_config(args.family or "deepseek_v3", **({} if args.family else DEMO_MODEL))
+    if args.dtype:
+        from .demo import FP8_BLOCK
+        from .quantization import ExpertsQuantization
+
+        quant = ExpertsQuantization("fp8", FP8_BLOCK) if args.dtype == "fp8" else ExpertsQuantization(args.dtype)
+        model_config.quantization_config = quant.config_dict()
     try:
         sizes = [int(s) for s in args.slice_sizes.split(",")]
     except ValueError:

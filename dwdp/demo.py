@@ -36,18 +36,20 @@ def rank_prompts(rank: int, seed: int, num_prompts: int, max_len: int, vocab: in
     return ids, mask, int(lengths.sum())
 
 
-def demo_models(family: str, dtype: str, seed: int):
+def demo_models(family: str, dtype: str, seed: int, **shape):
     """(model to wrap, unwrapped reference) of the demo: the same model twice for "fp32"; for "fp8" /
     "mxfp4" its experts quantized (fp8: 128 x 128 block scales, DeepSeek-V3's) next to the model holding
-    the dequantized values of those quantized weights (what the unwrapped model computes on them)."""
+    the dequantized values of those quantized weights (what the unwrapped model computes on them).
+    shape: tiny model sizes (default DEMO_MODEL)."""
+    shape = shape or DEMO_MODEL
     if dtype == "fp32":
-        model = build_tiny_model(family, seed=seed, **DEMO_MODEL)
+        model = build_tiny_model(family, seed=seed, **shape)
         return model, model
     from .quantization import ExpertsQuantization
     from .tiny_quantized import build_tiny_quantized
 
     quant = ExpertsQuantization("fp8", FP8_BLOCK) if dtype == "fp8" else ExpertsQuantization(dtype)
-    return build_tiny_quantized(family, quant, seed=seed, **DEMO_MODEL)
+    return build_tiny_quantized(family, quant, seed=seed, **shape)
 
 
 def _demo_rank(rank: int, opts: dict) -> dict:
