@@ -106,6 +106,8 @@ class LoadReport:
     rss_after: int
     peak_is_load_only: bool
     peak_method: str = PEAK_METHOD
+    expert_bytes: int = 0       # one expert as held and moved: every named tensor (values, scales, biases)
+    experts_format: str = ""    # "torch.bfloat16", "fp8 + 128x128 torch.float32 block scales", ...
 
     @property
     def load_peak_bytes(self) -> int:
@@ -127,7 +129,8 @@ class LoadReport:
             ("RSS added after load", self.steady_bytes),
         ]
         head = f"rank {self.rank}/{self.group_size}: loaded {self.path} in {self.seconds:.2f} s ({self.peak_method})"
-        return "\n".join([head] + [f"  {name:<26}{n / mib:10.1f} MiB" for name, n in rows])
+        expert = f"  {'one expert':<26}{self.expert_bytes / 1024:10.1f} KiB ({self.experts_format})"
+        return "\n".join([head, expert] + [f"  {name:<26}{n / mib:10.1f} MiB" for name, n in rows])
 
 
 # -- the checkpoint on disk ---------------------------------------------------------------------
@@ -625,4 +628,20 @@ class CheckpointLoad:
             local_expert_bytes=memory.local_expert_bytes, prefetch_buffer_bytes=memory.prefetch_buffer_bytes,
             full_expert_bytes=memory.full_expert_bytes, rss_before=self.rss_before, rss_peak=rss_peak,
             rss_after=rss_after, peak_is_load_only=self.peak_is_load_only,
+            expert_bytes=self.expert_bytes, experts_format=self.experts_format,
         )
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert of the first MoE layer, every named tensor at its own dtype."""
+        first = next(iter(self.plan.experts))[0]
+        return sum(entry.tensor.nbytes for (name, _), entry in self.plan.experts.items() if name == first)
+
+    @property
+    def experts_format(self) -> str:
+        if self.quant is None:
+            return str(next(iter(self.plan.experts.values())).dtype)
+        if self.quant.format == "mxfp4":
+            return "mxfp4: e2m1 values + one e8m0 scale per 32"
+        block = "x".join(map(str, self.quant.block)) if self.quant.block else "per-matrix"
+        return f"fp8 e4m3 values + {block} {self.quant.scale_dtype} block scales"

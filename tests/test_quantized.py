@@ -72,7 +72,9 @@ def _loaded_case(path: str, rank: int, group) -> dict:
     reference = torch.load(Path(path) / "reference.pt", weights_only=False)
     with DWDPModel.from_pretrained(path, DWDPConfig(slice_bytes=1000), group, dtype=torch.float32) as wrapped:
         out = _run(wrapped, reference, _tokens(rank))
-        out.update(bytes_read=wrapped.load_report.bytes_read, local=wrapped.placement.local_experts(rank))
+        report = wrapped.load_report
+        out.update(bytes_read=report.bytes_read, local=wrapped.placement.local_experts(rank),
+                   expert_bytes=report.expert_bytes, experts_format=report.experts_format)
     return out
 
 
@@ -170,3 +172,11 @@ def test_from_pretrained_reads_only_local_experts_and_scales(results, checkpoint
         check_logits(f"{name} G{group_size}", got, rank)
         expected = _expected_bytes_read(checkpoints[name], got["local"])
         assert got["bytes_read"] == expected, f"{name} rank {rank}: read {got['bytes_read']} B, expected {expected} B"
+    # The load report's bytes per expert, from the shapes (deepseek_v3: gate_up [96, 32] + [6, 2] fp32 scales,
+    # down [32, 48] + [2, 3]; gpt-oss MXFP4: blocks [128, 1, 16] + [128, 1] exponents, [32, 2, 16] + [32, 2],
+    # fp32 biases [128] and [32]; qwen3_moe per expert with e8m0 scales: [96, 32] + [6, 2], [32, 48] + [2, 3]).
+    expected = {"fp8_stacked": (96 * 32 + 32 * 48 + (6 * 2 + 2 * 3) * 4, "fp8 e4m3 values + 16x16 torch.float32"),
+                "fp8_per_expert": (96 * 32 + 32 * 48 + 6 * 2 + 2 * 3, "fp8 e4m3 values + 16x16 torch.float8_e8m0fnu"),
+                "mxfp4": (128 * 16 + 128 + 32 * 2 * 16 + 32 * 2 + (128 + 32) * 4, "mxfp4: e2m1 values")}[name]
+    got = per_rank[0]["loaded"][name]
+    assert got["expert_bytes"] == expected[0] and got["experts_format"].startswith(expected[1]), (name, got, expected)
