@@ -12,7 +12,9 @@ mxfp4 (gpt-oss): e2m1 values packed two per byte, low nibble first, blocks [N, G
     e8m0 exponent byte per 32 values along K, scales [N, G]: W[n, 32 g + j] = e2m1(j) * 2^(s[n, g] - 127).
 
 `dequantize` turns one expert's weight back into a dense [N, K] tensor on use; `quantize_*` make
-such weights from dense ones (tests, the tiny checkpoint maker). Nothing here needs Triton or a GPU.
+such weights from dense ones (tests, the tiny checkpoint maker). `quantize_rows_fp8` quantizes
+activations [R, K] to fp8 with one fp32 scale per row and group of K columns (DeepSeek-V3's dynamic
+1 x 128 activation scales), for fp8 x fp8 dots. Nothing here needs Triton or a GPU.
 """
 from __future__ import annotations
 
@@ -174,3 +176,20 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     codes = (nearest | ((scaled < 0).long() << 3)).to(torch.uint8)
     blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                                # [..., N, G, 16]
     return blocks, (exponent + 127).to(torch.uint8)
+
+
+def quantize_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations [R, K] -> (float8_e4m3fn [R, K], fp32 scales [R, ceil(K / group)]): each row's group
+    of `group` columns divided by its max |x| / 448 (scale 1 for an all-zero group)."""
+    rows, cols = x.shape
+    groups = math.ceil(cols / group)
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - cols))  # [R, G * group]
+    amax = padded.view(rows, groups, group).abs().amax(dim=-1)                        # [R, G]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (padded.view(rows, groups, group) / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    return q.view(rows, groups * group)[:, :cols].to(FP8_DTYPE), scale
+
+
+def dequantize_rows(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """The fp32 values of activations quantized by `quantize_rows_fp8`: [R, K]."""
+    return q.to(torch.float32) * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]

@@ -243,6 +243,22 @@ if triton is not None:
         return w.to(tl.float32) * s
 
     @triton.jit
+    def _column_scales(s_base, s_rows, k_block, stride_sn, stride_sk, mask, SCALE_E8M0: tl.constexpr):
+        """[BLOCK_N] fp32 block scales of scale rows s_rows at scale column k_block."""
+        s_ptrs = s_base + s_rows.to(tl.int64) * stride_sn + k_block * stride_sk
+        if SCALE_E8M0:
+            return tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+        return tl.load(s_ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _fp8_dot(a, w, FP32_DOT: tl.constexpr):
+        """a [BLOCK_M, BLOCK_K] fp8 @ w [BLOCK_K, BLOCK_N] fp8 -> fp32 (fp8 tensor cores on sm_89+; exact
+        fp32 products in the interpreter)."""
+        if FP32_DOT:
+            return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, w)
+
+    @triton.jit
     def _grouped_gemm_kernel(
         a_ptr,  # [rows of A, K] activations: the sorted rows, or token rows gathered through slots
         w_table_ptr,  # [E] int64 base address of each expert's [N, K] weight view (any strides, see stride_w*)
@@ -269,6 +285,9 @@ if triton is not None:
         half_scale_rows,  # scale rows per half
         scale_block_n, scale_block_k,  # weights per scale: bn rows x bk columns
         stride_sn, stride_sk,  # strides of every expert's scale view
+        a_scale_ptr,  # [rows of A, ceil(K / act_group)] fp32 scales of fp8 activations, read when A_FP8
+        stride_asm,  # row stride of a_scale
+        act_group,  # columns of A per activation scale (a multiple of BLOCK_K)
         PART: tl.constexpr,  # 0 all experts, 1 first (local prefix), 2 second (the rest)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -287,6 +306,7 @@ if triton is not None:
         FP32_DOT: tl.constexpr,  # upcast tiles and use IEEE fp32 dots
         W_SCALED: tl.constexpr,  # fp8 weights, dequantized with their block scales tile by tile in the K loop
         SCALE_E8M0: tl.constexpr,  # scales are e8m0 exponent bytes (2^(s - 127)), else fp32
+        A_FP8: tl.constexpr,  # with W_SCALED: A is fp8 with row scales; fp8 x fp8 dots, both scales applied per K tile
     ):
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -381,23 +401,35 @@ if triton is not None:
                 k_mask = ks < K - k0
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if W_SCALED:
-                    k_blocks = (k0 + ks) // scale_block_k  # [BLOCK_K] scale column of each k
-                    w = _dequantize_tile(w, s_base, s_rows, k_blocks, stride_sn, stride_sk,
-                                         k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
-                if FP32_DOT:
-                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                if A_FP8:
+                    # One activation scale per row and one weight scale per column for this whole K tile.
+                    a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // act_group, mask=row_mask, other=0.0)
+                    w_s = _column_scales(s_base, s_rows, k0 // scale_block_k, stride_sn, stride_sk, col_mask,
+                                         SCALE_E8M0)
+                    acc += _fp8_dot(a, w, FP32_DOT) * a_s[:, None] * w_s[None, :]
                 else:
-                    acc = tl.dot(a, w, acc)
+                    if W_SCALED:
+                        k_blocks = (k0 + ks) // scale_block_k  # [BLOCK_K] scale column of each k
+                        w = _dequantize_tile(w, s_base, s_rows, k_blocks, stride_sn, stride_sk,
+                                             k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
+                    if FP32_DOT:
+                        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, w, acc)
                 if GATED:
                     w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                    if W_SCALED:
-                        w_up = _dequantize_tile(w_up, s_base, s_up_rows, k_blocks, stride_sn, stride_sk,
-                                                k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
-                    if FP32_DOT:
-                        acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
+                    if A_FP8:
+                        w_up_s = _column_scales(s_base, s_up_rows, k0 // scale_block_k, stride_sn, stride_sk,
+                                                col_mask, SCALE_E8M0)
+                        acc_up += _fp8_dot(a, w_up, FP32_DOT) * a_s[:, None] * w_up_s[None, :]
                     else:
-                        acc_up = tl.dot(a, w_up, acc_up)
+                        if W_SCALED:
+                            w_up = _dequantize_tile(w_up, s_base, s_up_rows, k_blocks, stride_sn, stride_sk,
+                                                    k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
+                        if FP32_DOT:
+                            acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
+                        else:
+                            acc_up = tl.dot(a, w_up, acc_up)
                     up_ptrs += BLOCK_K * stride_wk
                 a_ptrs += BLOCK_K * stride_ak
                 w_ptrs += BLOCK_K * stride_wk
@@ -514,6 +546,8 @@ def _launch(
     bias: ExpertWeightTable | None,  # E views [N]
     scales: "ScaleTable | None",  # fp8 weights: E views of block scales (kernels.scaled_weights)
     top_k: int,
+    a_scales: torch.Tensor | None = None,  # [rows of A, ceil(K / act_group)] fp32: `a` is fp8 (fp8 x fp8 dots)
+    act_group: int = 1,
     split_at: int,
     n_tiles_partner: int | None,
     part: str,
@@ -525,7 +559,7 @@ def _launch(
     n_tiles = _tile_count(n_out, config.block_n)
     max_tiles = (_tile_count(num_rows, config.block_m) + table.num_experts) * n_tiles
     grid = (max(1, min(wave_size, max_tiles)),)
-    fp32_dot = is_interpreter() or a.dtype == torch.float32
+    fp32_dot = is_interpreter() or a.dtype == torch.float32  # fp8 A: fp8 tensor-core dots on a GPU
     dummy = expert_offsets  # never read when the matching flag is off
     ep = epilogue or Epilogue(activation="none", gated=False)
     scale_strides = scales.table.strides if scales is not None else (0, 0)
@@ -545,6 +579,7 @@ def _launch(
         float(ep.alpha), float(min(ep.limit, 3.0e38)), float(ep.up_offset),
         scales.half_rows if scales is not None else 1, scales.half_scale_rows if scales is not None else 1,
         block[0], block[1], scale_strides[0], scale_strides[1],
+        a_scales if a_scales is not None else dummy, a_scales.stride(0) if a_scales is not None else 0, act_group,
         PART=_PARTS[part],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=triton.next_power_of_2(table.num_experts + 1),
@@ -552,6 +587,7 @@ def _launch(
         SCATTER_OUT=scatter_out, ATOMIC_OUT=atomic_out, HAS_BIAS=bias is not None, GATED=ep.gated,
         INTERLEAVED=ep.interleaved, ACTIVATION=ACTIVATIONS[ep.activation], CLAMP=ep.limit != float("inf"),
         FP32_DOT=fp32_dot, W_SCALED=scales is not None, SCALE_E8M0=scales is not None and scales.is_e8m0,
+        A_FP8=a_scales is not None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
@@ -586,6 +622,7 @@ def grouped_gemm(
     config: GroupedGemmConfig | None = None,
     weight_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
     quant: BlockQuant | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """out[rows of e] = epilogue(x_sorted[rows of e] @ weights[e].T) for each expert e, one launch.
 
@@ -607,9 +644,13 @@ def grouped_gemm(
     weight_scales, quant: fp8 weights (float8_e4m3fn views) with E views of their block scales
         (kernels.block_scales; or a ScaleTable): each weight tile is dequantized in the K loop, in
         fp32, then rounded to x's dtype for the dot, as grouped_gemm_reference dequantizes them.
+    fp8_activations: with fp8 weights, x is quantized to fp8 per row and block of K columns and each
+        K tile is an fp8 x fp8 dot scaled by both scales (the block columns must be a multiple of
+        config.block_k; no bias).
     Returns out [T, N_OUT] in x's dtype; accumulation is fp32.
     """
-    from .scaled_weights import scale_table
+    from .block_scales import quantize_rows_fp8
+    from .scaled_weights import check_fp8_activations, scale_table
 
     _require_triton()
     config = config or GroupedGemmConfig()
@@ -662,12 +703,18 @@ def grouped_gemm(
         )
     config_wave = default_wave_size(x_sorted.device, config) if wave_size is None else wave_size
     split = _check_split(split_at, part, table.num_experts, config_wave)
+    if fp8_activations:
+        check_fp8_activations(scales, bias_table, config, "weight_scales")
     if num_rows == 0:
         return out
+    a, a_scales, group = x_sorted, None, 1
+    if fp8_activations:
+        group = scales.quant.block[1]
+        a, a_scales = quantize_rows_fp8(x_sorted, group)  # [T, K] fp8, [T, K / bk]
     _launch(
-        x_sorted, expert_offsets, table, out,
+        a, expert_offsets, table, out,
         num_rows=num_rows, slots=None, scale=row_scale, gather_a=False, scatter_out=False,
         atomic_out=False, epilogue=epilogue, bias=bias_table, scales=scales, top_k=1, split_at=split,
-        n_tiles_partner=None, part=part, wave_size=config_wave, config=config,
+        n_tiles_partner=None, part=part, wave_size=config_wave, config=config, a_scales=a_scales, act_group=group,
     )
     return out

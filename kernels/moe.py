@@ -40,7 +40,8 @@ from .grouped_gemm import (
     _tile_count,
     default_wave_size,
 )
-from .scaled_weights import ScaleTable, scale_table
+from .block_scales import quantize_rows_fp8
+from .scaled_weights import ScaleTable, check_fp8_activations, scale_table
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +77,7 @@ def moe_experts(
     down_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
     first_quant: BlockQuant | None = None,
     down_quant: BlockQuant | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """The experts part of one MoE layer: out[t] = sum_j w[t, j] * down_e(act(gate_e x_t) * up_e x_t).
 
@@ -90,6 +92,8 @@ def moe_experts(
     combine: "sum" (deterministic, [S, H] buffer reduced over k) or "atomic" (fp32 atomics).
     first_scales, down_scales (+ first_quant, down_quant): fp8 gate_up / down views with E views of
         their block scales (or ScaleTables): tiles dequantized in the K loop (grouped_gemm).
+    fp8_activations: with fp8 weights, quantize the tokens (and h) to fp8 per row and block of K
+        (DeepSeek-V3's dynamic 1 x 128 activation scales) and run fp8 x fp8 dots, scaled per K tile.
     split_at: local-first scheduling with experts [0, split_at) local: both GEMMs first run the
         wave-aligned local prefix, then `on_local_done()` is called (e.g. make the compute stream
         wait for the prefetch), then both GEMMs run the remaining experts.
@@ -106,6 +110,9 @@ def moe_experts(
                                                                        "first_scales")
     down_scale_table = None if down_scales is None else scale_table(down_scales, down_quant, down_table,
                                                                     "down_scales")
+    if fp8_activations:
+        check_fp8_activations(first_scale_table, first_bias_table, config, "first_scales")
+        check_fp8_activations(down_scale_table, down_bias_table, config, "down_scales")
     _check_bias(first_bias_table, gate_up_table, "first_bias", hidden.dtype)
     _check_bias(down_bias_table, down_table, "down_bias", hidden.dtype)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
@@ -166,23 +173,29 @@ def moe_experts(
     gate_up_n_tiles = _tile_count(inter, config.block_n)
     down_n_tiles = _tile_count(hidden_dim, config.block_n)
 
+    first_a, first_a_scales = hidden, None
+    if fp8_activations:  # tokens quantized once, before any launch (rows gathered with their scales)
+        first_a, first_a_scales = quantize_rows_fp8(hidden, first_scale_table.quant.block[1])  # [T, H], [T, H / bk]
     parts = ("all",) if split_at is None else ("first", "second")
     for part in parts:
         if part == "second" and on_local_done is not None:
             on_local_done()
         _launch(
-            hidden, expert_offsets, gate_up_table, h,
+            first_a, expert_offsets, gate_up_table, h,
             num_rows=num_slots, slots=slots, scale=None, gather_a=True, scatter_out=False,
             atomic_out=False, epilogue=epilogue, bias=first_bias_table, scales=first_scale_table, top_k=top_k,
-            split_at=split,
-            n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
+            split_at=split, n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
+            a_scales=first_a_scales, act_group=first_scale_table.quant.block[1] if fp8_activations else 1,
         )
+        down_a, down_a_scales = h, None
+        if fp8_activations:  # this part's rows of h are final: quantize h for the down GEMM's fp8 dots
+            down_a, down_a_scales = quantize_rows_fp8(h, down_scale_table.quant.block[1])  # [S, I], [S, I / bk]
         _launch(
-            h, expert_offsets, down_table, out,
+            down_a, expert_offsets, down_table, out,
             num_rows=num_slots, slots=slots, scale=slot_weights, gather_a=False, scatter_out=True,
             atomic_out=combine == "atomic", epilogue=None, bias=down_bias_table, scales=down_scale_table,
-            top_k=top_k, split_at=split,
-            n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
+            top_k=top_k, split_at=split, n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
+            a_scales=down_a_scales, act_group=down_scale_table.quant.block[1] if fp8_activations else 1,
         )
     if combine == "sum":
         return out.view(num_tokens, top_k, hidden_dim).sum(dim=1)  # [T, H]

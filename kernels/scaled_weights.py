@@ -63,3 +63,17 @@ def scale_table(scales: Sequence[torch.Tensor] | ScaleTable, quant: BlockQuant |
         views = [v.view(torch.uint8) for v in views]
     table = expert_weight_table(views, name=name, aligned=False)  # scalar loads: no alignment needed
     return ScaleTable(table, quant, is_e8m0, rows // quant.halves, expected[0] // quant.halves)
+
+
+def check_fp8_activations(scales: ScaleTable | None, bias, config, name: str) -> None:
+    """fp8 x fp8 dots need fp8 weights whose block columns the kernel's K tile divides (one weight
+    scale and one activation scale per row / column for a whole tile), and no bias (none of the fp8
+    experts in use has one). ValueError naming `name` otherwise."""
+    if scales is None:
+        raise ValueError(f"fp8_activations needs fp8 weights with block scales; {name} is missing")
+    block_k = scales.quant.block[1]
+    if block_k % config.block_k:
+        raise ValueError(f"fp8_activations needs the kernel's block_k={config.block_k} to divide the scale blocks' "
+                         f"{block_k} columns ({name})")
+    if bias is not None:
+        raise ValueError(f"fp8_activations does not take biases ({name}'s weights have them)")

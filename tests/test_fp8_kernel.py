@@ -1,5 +1,6 @@
 """The Triton grouped GEMM on fp8 weights with block scales (interpreter on CPU) against the reference,
-which dequantizes each expert's weights to the activations' dtype and multiplies in that dtype.
+which dequantizes each expert's weights to the activations' dtype and multiplies in that dtype; and
+with fp8 activations (fp8 x fp8 dots), against the reference quantizing the activations alike.
 
 Legend: T = rows, K = input features, N = output features, E = experts, bn x bk = weights per scale.
 The kernel dequantizes each weight tile in fp32 and rounds it to the activations' dtype, exactly as
@@ -68,8 +69,25 @@ def test_grouped_gemm_fp8_matches_reference(rows, cols, block, scale_fmt, dtype)
     _close(got, expected, dtype, f"{rows}x{cols} blocks {block} {scale_fmt}")
 
 
+@pytest.mark.parametrize("block,scale_fmt", [((16, 16), "float"), ((7, 32), "ue8m0")], ids=["16x16", "7x32_e8m0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_moe_experts_fp8_gate_up_blocked_per_half(dtype):
+def test_grouped_gemm_fp8_activations_match_reference(block, scale_fmt, dtype):
+    """fp8 x fp8 dots: x quantized per row and block of K columns, each K tile scaled by both scales.
+    The reference dequantizes both to fp32 and multiplies: the same products, summed in another order."""
+    gen = torch.Generator().manual_seed(11)
+    quant = BlockQuant("fp8", block)
+    weights, scales = _experts(gen, 3, 40, 36, quant, scale_fmt)
+    offsets = [0, 4, 4, 11]
+    x = torch.randn(offsets[-1], 36, generator=gen).to(dtype)
+    args = dict(weight_scales=scales, quant=quant, fp8_activations=True)
+    got = grouped_gemm(x, torch.tensor(offsets), weights, config=TINY, **args)
+    expected = grouped_gemm_reference(x, offsets, weights, **args)
+    _close(got, expected, dtype, f"fp8 activations {block} {scale_fmt}")
+
+
+@pytest.mark.parametrize("fp8_activations", [False, True], ids=["bf16_dots", "fp8_dots"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_moe_experts_fp8_gate_up_blocked_per_half(dtype, fp8_activations):
     """The fused MoE path: [gate; up] with I = 24 not a multiple of bn = 16 (each half blocked apart),
     local-first split, routing weights applied in the down GEMM."""
     gen = torch.Generator().manual_seed(7)
@@ -80,12 +98,15 @@ def test_moe_experts_fp8_gate_up_blocked_per_half(dtype):
     hidden = torch.randn(tokens, hidden_dim, generator=gen).to(dtype)
     logits = torch.randn(tokens, num_experts, generator=gen)
     weights, index = torch.topk(logits.softmax(-1), top_k, dim=-1)
-    args = dict(first_scales=gate_up_scales, down_scales=down_scales, first_quant=first_quant, down_quant=down_quant)
+    args = dict(first_scales=gate_up_scales, down_scales=down_scales, first_quant=first_quant, down_quant=down_quant,
+                fp8_activations=fp8_activations)
     got = moe_experts(hidden, index, weights, gate_up, down, split_at=2, on_local_done=lambda: None, config=TINY,
                       **args)
     # fp32 reference on the same fp8 weights: as in test_moe_kernel, the bf16 kernel rounds h between the
-    # GEMMs, the fp32 reference does not (bf16 within 3e-2 of the largest output).
-    expected = moe_experts_reference(hidden.float(), index, weights, gate_up, down, **args)
+    # GEMMs, the fp32 reference does not (bf16 within 3e-2 of the largest output). With fp8 dots the
+    # reference quantizes the activations as the kernel does, h rounded to the kernel's dtype first.
+    reference_hidden = hidden.float() if not fp8_activations else hidden
+    expected = moe_experts_reference(reference_hidden, index, weights, gate_up, down, **args).float()
     assert got.dtype == dtype, got.dtype
     tol = TOL[dtype] if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     _close(got.float(), expected, torch.float32, "moe_experts fp8", tol)
@@ -107,6 +128,10 @@ def test_fp8_weights_need_their_scales():
                                          r"mxfp4"):
         grouped_gemm(x, offsets, weights, weight_scales=scales, quant=BlockQuant("mxfp4", (1, 32)), config=TINY)
     down = [torch.randn(32, 16, generator=gen) for _ in range(2)]                      # [H, I]
+    with pytest.raises(ValueError, match=r"fp8_activations needs the kernel's block_k=16 to divide the scale blocks' "
+                                         r"8 columns \(weight_scales\)"):
+        grouped_gemm(x, offsets, weights, weight_scales=[s.repeat_interleave(2, 1) for s in scales],
+                     quant=BlockQuant("fp8", (16, 8)), fp8_activations=True, config=TINY)
     with pytest.raises(ValueError, match=r"first_scales needs its BlockQuant"):
         moe_experts(x, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1), weights, down, first_scales=scales,
                     epilogue=Epilogue(), config=TINY)
