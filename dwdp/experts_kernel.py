@@ -110,20 +110,39 @@ def epilogue_of(layer: ExpertsLayer):
 
 def choose_experts_kernel(requested: str, device: torch.device, layers: list[ExpertsLayer]) -> str:
     """"triton" for CUDA models whose every layer the kernel runs, "reference" otherwise; an explicit
-    "triton" that cannot work is an error naming the layer and the reason, not a silent fallback."""
+    "triton" (or "triton_fp8") that cannot work is an error naming the layer and the reason, not a
+    silent fallback."""
     if requested == "reference" or (requested == "auto" and device.type != "cuda"):
         return "reference"
     for layer in layers:
         blocker = kernel_blocker(layer)
+        if blocker is None and requested == "triton_fp8":
+            blocker = fp8_dot_blocker(layer)
         if blocker is not None:
-            if requested == "triton":
-                raise ValueError(f"experts_kernel='triton' cannot run {layer.name} ({type(layer.module).__name__}): "
+            if requested in ("triton", "triton_fp8"):
+                raise ValueError(f"experts_kernel={requested!r} cannot run {layer.name} ({type(layer.module).__name__}): "
                                  f"{blocker}")
             return "reference"
-    return "triton"
+    return "triton_fp8" if requested == "triton_fp8" else "triton"
 
 
-def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables) -> KernelTables:
+def fp8_dot_blocker(layer: ExpertsLayer) -> str | None:
+    """Why fp8 x fp8 dots cannot run this layer (on top of kernel_blocker), or None."""
+    from .kernels import GroupedGemmConfig
+
+    math = layer.spec.math
+    if len(math.quantized) != 2:
+        return "fp8 dots need fp8 weights with block scales"
+    block_k = GroupedGemmConfig().block_k
+    columns = [q.quant.block[1] for q in math.quantized]
+    if any(c % block_k for c in columns):
+        return f"its scale blocks span {columns} columns, not multiples of the kernel's K tile {block_k}"
+    if math.biases:
+        return "fp8 dots take no biases"
+    return None
+
+
+def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables, fp8_activations: bool = False) -> KernelTables:
     """The Triton path's address tables of one slot's per-expert views (built once, reused)."""
     from .kernels import expert_weight_table, scale_table
 
@@ -146,4 +165,4 @@ def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables) -> KernelTables
                                                            quantized.scale)
 
     return KernelTables(first, down, bias(math.first_bias[0]), bias(math.down_bias), scales(math.first[0], first),
-                        scales(math.down, down))
+                        scales(math.down, down), fp8_activations)

@@ -54,6 +54,13 @@ def _rank(rank: int) -> dict:
             reference = dense(ids).logits
         with DWDPModel(model, DWDPConfig(experts_kernel="triton"), group) as wrapped, torch.no_grad():
             out[name] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel)
+    # fp8 x fp8 dots (experts_kernel="triton_fp8"): tokens quantized per row and 128 columns.
+    model, dense = build_tiny_quantized("deepseek_v3", ExpertsQuantization("fp8", (128, 128)), seed=2)
+    with torch.no_grad():
+        reference = dense(ids).logits
+    with DWDPModel(model, DWDPConfig(experts_kernel="triton_fp8"), group) as wrapped, torch.no_grad():
+        out["fp8_dots"] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel,
+                           reference.abs().max().item())
     # Reference path: weights are read where they live, transposed ones through views, never copied.
     out["merge_ops"], out["num_ops"] = [], 0
     for family, changes in (("mixtral", {}), ("gpt_oss", dict(expert_biases="move"))):
@@ -80,6 +87,10 @@ def test_triton_experts_path_equals_unwrapped_and_reference_path_merges_nothing(
             diff, kernel = r[family]
             assert kernel == "triton"
             assert diff <= 1e-4, f"{family} rank {rank}: triton experts path max|diff|={diff:.3e}"
+        # Quantized activations: each K tile's fp8 values are within 2^-4 of the tokens, so logits move
+        # by a few percent of their largest value, yet always by something (bf16-dot fp8 matched to 1e-4).
+        diff, kernel, scale = r["fp8_dots"]
+        assert kernel == "triton_fp8" and 1e-4 < diff <= 5e-2 * scale, f"rank {rank}: fp8 dots {diff:.3e} of {scale:.3e}"
         assert r["num_ops"] > 100, "the op log saw nothing: the check would be vacuous"
         assert r["merge_ops"] == [], f"rank {rank}: weights were gathered or concatenated: {r['merge_ops'][:5]}"
 

@@ -44,6 +44,7 @@ for launch in json.load(sys.stdin):
         "scalar_16": ptx.count("ld.global.b16"),
         "wgmma": ptx.count("wgmma.mma_async"),
         "e4m3_cvt": len(re.findall(r"cvt\.[a-z0-9.]*e4m3x2", ptx)),
+        "wgmma_fp8": len(re.findall(r"wgmma\.mma_async[^\n]*e4m3\.e4m3", ptx)),
         "scalar_8": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]8 ", ptx)),
     })
 print(json.dumps(counts))
@@ -194,7 +195,8 @@ def test_transposed_biased_launches_compile_with_wgmma(recorder):
 def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder):
     """fp8 weights with 128 x 128 block scales (DeepSeek-V3's layout, gate and up blocked apart):
     the fp8 tiles stream through 16-byte cp.async like bf16 ones, are converted from e4m3 in
-    registers, scaled and fed to bf16 wgmma; no fp8 value is loaded a byte at a time."""
+    registers, scaled and fed to bf16 wgmma; no fp8 value is loaded a byte at a time. With fp8
+    activations the dots are fp8 x fp8 wgmma."""
     from dwdp.kernels import BlockQuant, quantize_fp8
 
     gen = torch.Generator().manual_seed(6)
@@ -214,3 +216,13 @@ def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder
     for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
         assert c["async_16"] > 0 and c["wgmma"] > 0, f"{name}: loads / wgmma in sm_90 PTX: {c}"
         assert c["e4m3_cvt"] > 0 and c["scalar_8"] == 0, f"{name}: fp8 conversions / byte loads in sm_90 PTX: {c}"
+    # fp8 activations: the same launches become fp8 x fp8 wgmma, activation tiles streamed as fp8.
+    recorder.launches.clear()
+    moe.moe_experts(x, index, weights, list(gate_up), list(down), first_scales=list(gate_up_scales),
+                    down_scales=list(down_scales), first_quant=first_quant, down_quant=down_quant, split_at=4,
+                    on_local_done=lambda: None, wave_size=H100_SMS, fp8_activations=True)
+    first = recorder.launches[0]["args"]
+    assert first["A_FP8"][1] is True and first["a_ptr"][0] == "*fp8e4nv", first["a_ptr"]
+    for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
+        assert c["wgmma_fp8"] > 0 and c["async_16"] > 0, f"{name}: fp8 wgmma / loads in sm_90 PTX: {c}"
+        assert c["scalar_8"] == 0, f"{name}: byte loads in sm_90 PTX: {c}"
