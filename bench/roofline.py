@@ -105,7 +105,8 @@ def main() -> None:
         first = preds[0]
         title = (f"{args.model} on {hw_name}, {dtype} (experts at {first.expert_compute_dtype}), "
                  f"G={args.group_size}, L={first.num_local_experts}")
-        stem = f"roofline_{args.model}_{hw_name}" + ("" if args.sweep == "isl" else "_mnt")
+        dtype_tag = "" if args.dtype == "auto" else f"_{dtype}"  # auto keeps the stored results' names
+        stem = f"roofline_{args.model}_{hw_name}{dtype_tag}" + ("" if args.sweep == "isl" else "_mnt")
         plot(RESULTS / f"{stem}.png", preds, args, title, crossover)
         (RESULTS / f"{stem}.json").write_text(json.dumps({
             "model": args.model, "model_source": cm.preset_source(args.model), "hardware": hw_name,

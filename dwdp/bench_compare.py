@@ -38,6 +38,7 @@ from .tiny import FAMILIES, build_tiny_model
 from .workload import Forward, WorkloadConfig, forward_inputs, make_workload
 
 MODES = ("dwdp", "dep", "replicated")
+EXPERT_DTYPES = ("fp32", "fp8")
 DEFAULT_CVS = (0.0, 0.1, 0.2, 0.4)
 DEFAULTS = dict(tokens_per_rank=8192, isl=256, max_num_tokens=1024, cvs=DEFAULT_CVS, rounds=2, model=dict(DEMO_MODEL))
 QUICK = dict(tokens_per_rank=384, isl=48, max_num_tokens=128, cvs=(0.0, 0.2), rounds=1,
@@ -54,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--isl-ratio", type=float, default=0.8, help="shortest / longest request (default 0.8)")
     p.add_argument("--max-num-tokens", type=int, help="padded tokens per forward (default 1024)")
     p.add_argument("--family", choices=FAMILIES, default="deepseek_v3")
+    p.add_argument("--dtype", choices=EXPERT_DTYPES, default="fp32",
+                   help="experts' weights: fp32, or fp8 with 128x128 block scales, held and moved as fp8 (default fp32)")
     p.add_argument("--hidden", type=int, help=f"model hidden size (default {DEMO_MODEL['hidden']})")
     p.add_argument("--num-layers", type=int, help=f"decoder layers (default {DEMO_MODEL['num_layers']})")
     p.add_argument("--rounds", type=int, help="passes over each CV's workload; throughput is the median over "
@@ -85,7 +88,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
         model=model, tokens_per_rank=pick(args.tokens_per_rank, "tokens_per_rank"), isl=pick(args.isl, "isl"),
         isl_ratio=args.isl_ratio, max_num_tokens=pick(args.max_num_tokens, "max_num_tokens"),
         rounds=pick(args.rounds, "rounds"), threads=args.threads, slice_bytes=args.slice_bytes, seed=args.seed,
-        quick=args.quick,
+        quick=args.quick, dtype=args.dtype,
     )
     for name in ("ranks", "threads", "rounds"):
         if opts[name] < 1:
@@ -101,6 +104,16 @@ def _workload(opts: dict, cv: float):
 
 
 # -- on every rank -----------------------------------------------------------------------------
+def _model(opts: dict):
+    """The compared model: experts fp32, or fp8 with 128 x 128 block scales (its bytes per expert, moved
+    and held, are the fp8 values plus their scales)."""
+    if opts.get("dtype", "fp32") == "fp32":
+        return build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"])
+    from .demo import demo_models
+
+    return demo_models(opts["family"], opts["dtype"], opts["seed"], **opts["model"])[0]
+
+
 def _wrap(mode: str, model, group, opts: dict):
     if mode == "dwdp":
         return DWDPModel(model, DWDPConfig(slice_bytes=opts["slice_bytes"], backend="host"), group)
@@ -119,8 +132,7 @@ def _run_cv(group, workload, inputs: list[dict], opts: dict, progress) -> list[d
     measures what it would take running alone; DEP's pieces include its waits at the all-to-alls.
     """
     modes = list(opts["modes"])
-    wrapped = {m: _wrap(m, build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"]), group, opts)
-               for m in modes}
+    wrapped = {m: _wrap(m, _model(opts), group, opts) for m in modes}
     rec = {m: dict(busy_ns=0, cpu_s=0.0, latencies_s=[]) for m in modes}
     try:
         with torch.no_grad():
@@ -173,7 +185,7 @@ def _run_cv(group, workload, inputs: list[dict], opts: dict, progress) -> list[d
 def _regime(opts: dict, group) -> dict:
     """One layer's compute in a full forward against one thread copying a MoE layer's remote experts
     (the experts a rank with ceil(E / ranks) local ones pulls)."""
-    model = build_tiny_model(opts["family"], seed=opts["seed"], **opts["model"])
+    model = _model(opts)
     experts = find_experts(model)
     num_experts = experts[0].spec.num_experts
     layer_bytes = num_experts * sum(t.nbytes for t in experts[0].spec.tensors)
@@ -375,7 +387,7 @@ def run_compare(args: argparse.Namespace) -> int:
     m = opts["model"]
     print(f"dwdp bench compare: {opts['ranks']} ranks x {opts['threads']} thread(s), modes {', '.join(opts['modes'])}; "
           f"{opts['family']} hidden {m['hidden']}, {m['num_experts']} experts top-{m['top_k']}, "
-          f"{m['num_layers']} layers")
+          f"{m['num_layers']} layers, {opts['dtype']} experts")
     for w in workloads:
         print(w.describe())
     load_before = load_average_1min()
@@ -386,7 +398,7 @@ def run_compare(args: argparse.Namespace) -> int:
     device = device_tag("cpu")
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = f"compare_{device}" + ("_quick" if opts["quick"] else "")
+    stem = f"compare_{device}" + ("" if opts["dtype"] == "fp32" else f"_{opts['dtype']}") + ("_quick" if opts["quick"] else "")
     report = dict(
         argv=list(sys.argv),
         device=device, machine=machine(),

@@ -27,12 +27,17 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="PATH", help="also write the table, the machine and its load average to PATH")
     demo.add_argument("--family", default="deepseek_v3",
                       help="MoE family of the tiny model (a transformers.models package; `dwdp families` lists them)")
+    demo.add_argument("--dtype", choices=("fp32", "fp8", "mxfp4"), default="fp32",
+                      help="experts' weights: fp32, fp8 with 128x128 block scales, or MXFP4; checked against the "
+                           "unwrapped model on the same quantized weights (default fp32)")
     families = sub.add_parser("families", help="the MoE families of the installed transformers and how dwdp wraps each")
     families.add_argument("--markdown", action="store_true", help="print the README's family block")
     tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
     source = tune.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH", help="local model directory (its config.json; random weights)")
     source.add_argument("--family", help="a tiny model of this family instead of the demo model")
+    tune.add_argument("--dtype", choices=("fp8", "mxfp4"),
+                      help="experts quantized as fp8 (128x128 block scales) or MXFP4 (default: as the config says)")
     tune.add_argument("--group-size", type=_positive_int, default=4, help="ranks per DWDP group (default 4)")
     tune.add_argument("--max-num-tokens", type=_positive_int, default=256, help="tokens per forward (default 256)")
     tune.add_argument("--slice-sizes", default="65536,262144,1048576,4194304",
@@ -92,6 +97,12 @@ def _tune(args) -> int:
         from .tiny import tiny_config
 
         model_config = tiny_config(args.family or "deepseek_v3", **({} if args.family else DEMO_MODEL))
+    if args.dtype:
+        from .demo import FP8_BLOCK
+        from .quantization import ExpertsQuantization
+
+        quant = ExpertsQuantization("fp8", FP8_BLOCK) if args.dtype == "fp8" else ExpertsQuantization(args.dtype)
+        model_config.quantization_config = quant.config_dict()
     try:
         sizes = [int(s) for s in args.slice_sizes.split(",")]
     except ValueError:
@@ -119,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"dwdp demo: --{exc}") from None
         return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
-                        args.trace, args.json, args.family)
+                        args.trace, args.json, args.family, args.dtype)
     if args.command == "families":
         from .coverage import README_BEGIN, README_END, all_families, markdown
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("auto", "host", "cuda")
-EXPERTS_KERNELS = ("auto", "reference", "triton")
+EXPERTS_KERNELS = ("auto", "reference", "triton", "triton_fp8")
 CUDA_COPIES = ("batch", "memcpy")
 CUDA_MAPPINGS = ("auto", "ipc", "symmetric_memory")
 EXPERT_BIASES = ("auto", "replicate", "move")
@@ -39,7 +39,8 @@ class DWDPConfig:
         whose heartbeat is older than this is reported stalled.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
     experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
-        GEMM, local experts first), or "auto": triton for CUDA models, reference otherwise.
+        GEMM, local experts first), "triton_fp8" (triton with fp8 x fp8 dots: fp8 experts only, tokens
+        quantized per row and weight block of K), or "auto": triton for CUDA models, reference otherwise.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
         batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
     copy_batches: most batches one layer's copy is cut into (cuda); each ends where experts complete,

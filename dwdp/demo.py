@@ -16,6 +16,8 @@ from .tiny import build_tiny_model
 
 DEMO_MODEL = dict(hidden=256, intermediate=256, num_experts=16, top_k=4, num_layers=5, vocab=512)
 ATOL, RTOL = 1e-4, 1e-4
+DTYPES = ("fp32", "fp8", "mxfp4")  # of the experts; dense weights stay fp32
+FP8_BLOCK = (128, 128)
 
 
 def rank_prompts(rank: int, seed: int, num_prompts: int, max_len: int, vocab: int):
@@ -34,11 +36,27 @@ def rank_prompts(rank: int, seed: int, num_prompts: int, max_len: int, vocab: in
     return ids, mask, int(lengths.sum())
 
 
+def demo_models(family: str, dtype: str, seed: int, **shape):
+    """(model to wrap, unwrapped reference) of the demo: the same model twice for "fp32"; for "fp8" /
+    "mxfp4" its experts quantized (fp8: 128 x 128 block scales, DeepSeek-V3's) next to the model holding
+    the dequantized values of those quantized weights (what the unwrapped model computes on them).
+    shape: tiny model sizes (default DEMO_MODEL)."""
+    shape = shape or DEMO_MODEL
+    if dtype == "fp32":
+        model = build_tiny_model(family, seed=seed, **shape)
+        return model, model
+    from .quantization import ExpertsQuantization
+    from .tiny_quantized import build_tiny_quantized
+
+    quant = ExpertsQuantization("fp8", FP8_BLOCK) if dtype == "fp8" else ExpertsQuantization(dtype)
+    return build_tiny_quantized(family, quant, seed=seed, **shape)
+
+
 def _demo_rank(rank: int, opts: dict) -> dict:
-    model = build_tiny_model(opts["family"], seed=opts["seed"], **DEMO_MODEL)
+    model, unwrapped = demo_models(opts["family"], opts["dtype"], opts["seed"])
     ids, mask, num_tokens = rank_prompts(rank, opts["seed"], opts["prompts"], opts["max_len"], DEMO_MODEL["vocab"])
     with torch.no_grad():
-        reference = _logits(model(input_ids=ids, attention_mask=mask))  # [P, Tmax, V]
+        reference = _logits(unwrapped(input_ids=ids, attention_mask=mask))  # [P, Tmax, V]
     config = DWDPConfig(slice_bytes=opts["slice_bytes"], backend="host")
     from .model import DWDPModel
 
@@ -88,18 +106,23 @@ def format_table(rows: list[dict]) -> str:
 
 def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int = 1 << 20, repeats: int = 3,
              seed: int = 0, timeout_s: float = 300.0, trace: str | None = None, json_path: str | None = None,
-             family: str = "deepseek_v3") -> int:
+             family: str = "deepseek_v3", dtype: str = "fp32") -> int:
     """Run the demo on `ranks` local processes, print the per-rank table; returns the exit code.
 
     trace: a directory that receives one trace_rank{r}.json per rank.
     json_path: also write the per-rank figures, the machine and its load average there.
     family: the transformers MoE family of the tiny model (dwdp.families).
+    dtype: the experts' dtype, one of DTYPES (fp8: 128 x 128 block scales; the unwrapped reference runs
+        the dequantized values of the same quantized weights).
     """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {DTYPES}")
     opts = dict(prompts=prompts, max_len=max_len, slice_bytes=slice_bytes, repeats=repeats, seed=seed, trace=trace,
-                family=family)
+                family=family, dtype=dtype)
     cfg = DEMO_MODEL
+    experts = "fp32" if dtype == "fp32" else f"{dtype} ({'128 x 128 block scales' if dtype == 'fp8' else 'e8m0 / 32'})"
     print(f"dwdp demo: {ranks} ranks, tiny {family} model (hidden {cfg['hidden']}, {cfg['num_experts']} experts per "
-          f"MoE layer, {cfg['num_layers']} layers, top-{cfg['top_k']}), host backend, CPU, seed {seed}")
+          f"MoE layer, {cfg['num_layers']} layers, top-{cfg['top_k']}, {experts} experts), host backend, CPU, seed {seed}")
     start = time.perf_counter()
     load_before = load_average_1min()
     rows = launch_local(_demo_rank, ranks, (opts,), timeout_s=timeout_s)

@@ -41,7 +41,8 @@ def expert_mlp(
 
     x_sorted [R, H]: rows grouped by expert in the order of the views; rows_per_expert: one count per
     expert (sum R); views: tensor name -> one view per expert (weights [out, in], or [in, out] when
-    transposed; biases [out]), each read where it lives. Returns [R, H] in x_sorted's dtype.
+    transposed; biases [out]; a quantized weight as stored, next to its scales), each read where it
+    lives; a quantized weight is dequantized one expert at a time, when that expert has rows. Returns [R, H] in x_sorted's dtype.
     """
     down = views[math.down]
     if x_sorted.shape[0] == 0:
@@ -53,9 +54,14 @@ def expert_mlp(
 
     def linear(x: torch.Tensor, weight: str, bias: str | None) -> torch.Tensor:
         ws = views[weight]
+        b = None if bias is None else views[bias]
+        quantized = math.quantization(weight)
+        if quantized is not None:  # dequantized one expert at a time, on use
+            return grouped_gemm_reference(x, offsets, ws, b, weight_scales=views[quantized.scale],
+                                          quant=quantized.quant)
         if weight in math.transposed:
             ws = [w.t() for w in ws]  # [in, out] storage read as an [out, in] view, never copied
-        return grouped_gemm_reference(x, offsets, ws, None if bias is None else views[bias])
+        return grouped_gemm_reference(x, offsets, ws, b)
 
     parts = [linear(x_sorted, w, b) for w, b in zip(math.first, math.first_bias)]  # [R, N1_j] each
     h = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)                   # [R, N1]

@@ -3,8 +3,10 @@
 Legend: E = experts, L = local experts, R = rows an experts call computes, H = hidden (of the
 experts), I = expert intermediate size, N1 = output features of the first projection(s).
 
-An expert is a small, fixed set of named tensors (projections, optional biases, later quantization
-scales), each of the same shape and dtype for every expert. An experts module stores each one
+An expert is a small, fixed set of named tensors (projections, optional biases, quantization scales),
+each of the same shape and dtype for every expert. A quantized projection is two tensors: its values
+(fp8, or MXFP4 blocks) and its block scales; both move, are copied and land together, so an expert is
+ready only when its scales are too. An experts module stores each one
 stacked over its experts: either `[E, *shape]` (transformers' stacked experts) or flattened,
 `[E * rows, *shape[1:]]` (DBRX's w1/v1/w2). Placement, segments, copy plans, prefetch slots, weight
 tables and loading handle these tensors by name and bytes only; `ExpertsMath` says how the
@@ -16,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from .kernels.block_scales import BlockQuant
 
 # Every per-expert block in a segment or slot starts on this boundary (vectorised kernel loads).
 ALIGN_BYTES = 16
@@ -95,6 +99,16 @@ def glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor],
 
 
 @dataclass(frozen=True)
+class QuantizedWeight:
+    """A projection stored quantized: tensor `weight` holds its values (as stored: fp8 [N, K], or MXFP4
+    blocks [N, K / 32, 16]), tensor `scale` its block scales; `quant` says how they combine."""
+
+    weight: str
+    scale: str
+    quant: BlockQuant
+
+
+@dataclass(frozen=True)
 class ExpertsMath:
     """How one expert turns its rows x [R, H] into [R, H] from its named tensors.
 
@@ -103,6 +117,7 @@ class ExpertsMath:
 
     transposed: weights stored [in, out] instead of [out, in] (read through a transposed view).
     weights_on_input: the routing weight scales the expert's input instead of its output (Llama 4).
+    quantized: the projections stored quantized; each is dequantized one expert at a time on use.
     num_identity_experts: router ids E .. E + Z - 1 are identity experts: y = x (LongCat-Flash).
     """
 
@@ -116,11 +131,20 @@ class ExpertsMath:
     weights_on_input: bool = False
     num_identity_experts: int = 0
     gate_label: str = "custom"  # what the gate is, for reports ("silu * up", "module._apply_gate", ...)
+    quantized: tuple[QuantizedWeight, ...] = ()
 
     @property
     def biases(self) -> tuple[str, ...]:
         """Names of the bias tensors, first projection(s) then down."""
         return tuple(b for b in (*self.first_bias, self.down_bias) if b is not None)
+
+    def quantization(self, weight: str) -> QuantizedWeight | None:
+        """How projection `weight` is quantized, or None when it is stored dense."""
+        return next((q for q in self.quantized if q.weight == weight), None)
+
+    @property
+    def scales(self) -> tuple[str, ...]:
+        return tuple(q.scale for q in self.quantized)
 
 
 @dataclass(frozen=True)
@@ -141,8 +165,8 @@ class ExpertsSpec:
     @property
     def hidden_size(self) -> int:
         """H: the features an expert reads and writes."""
-        first = self.tensor(self.math.first[0])
-        return first.shape[0] if first.name in self.math.transposed else first.shape[1]
+        down = self.tensor(self.math.down)  # [H, I], [I, H] transposed, or MXFP4 blocks [H, I / 32, 16]
+        return down.shape[1] if down.name in self.math.transposed else down.shape[0]
 
     @property
     def moving(self) -> tuple[ExpertTensor, ...]:

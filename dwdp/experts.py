@@ -35,6 +35,9 @@ class KernelTables:
     down: object                  # E views [H, I]
     first_bias: object | None = None
     down_bias: object | None = None
+    first_scales: object | None = None  # fp8 weights: dwdp.kernels.ScaleTable of their block scales
+    down_scales: object | None = None
+    fp8_activations: bool = False  # fp8 x fp8 dots (experts_kernel="triton_fp8")
 
 
 @dataclass
@@ -147,6 +150,7 @@ def _fused_experts(runtime: LayerRuntime, slot: int, hidden_states, top_k_index,
 
     out = moe_experts(hidden_states.contiguous(), runtime.position[top_k_index], top_k_weights, tables.first,
                       tables.down, first_bias=tables.first_bias, down_bias=tables.down_bias, epilogue=runtime.epilogue,
-                      split_at=runtime.num_local, on_local_done=wait_for_remote)
+                      split_at=runtime.num_local, on_local_done=wait_for_remote, first_scales=tables.first_scales,
+                      down_scales=tables.down_scales, fp8_activations=tables.fp8_activations)
     runtime.prefetcher.wait(runtime.layer, slot)  # no-op when the kernel already waited
     return out

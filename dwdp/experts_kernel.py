@@ -1,12 +1,12 @@
 """Which MoE layers the Triton experts kernel runs, with which epilogue, and its weight tables.
 
 The kernel computes y = epilogue(x @ W1^T + b1) @ W2^T + b2 for one fused first projection W1
-(gate_up, or up without a gate), weights stored [out, in] or transposed, biases optional; the
-epilogue is one of a few gates (dwdp.kernels.Epilogue). A layer's own gate function is identified
+(gate_up, or up without a gate), weights stored [out, in] or transposed (or fp8 [out, in] with block
+scales), biases optional; the epilogue is one of a few gates (dwdp.kernels.Epilogue). A layer's own gate function is identified
 by evaluating it on a seeded random probe, wide enough to reach any clamp, and comparing it with
 each epilogue the kernel implements; clamp limit and sigmoid gain come from the module's
 attributes. Anything else (two first projections, a post-expert norm, routing weight on the
-input, identity experts, a gate no epilogue reproduces) runs on the reference path.
+input, identity experts, a gate no epilogue reproduces, MXFP4 weights) runs on the reference path.
 """
 from __future__ import annotations
 
@@ -83,8 +83,14 @@ def kernel_blocker(layer: ExpertsLayer) -> str | None:
         return "its routing weight scales the expert's input"
     if math.num_identity_experts:
         return f"it has {math.num_identity_experts} identity experts"
-    dtypes = {t.dtype for t in spec.tensors}
-    if len(dtypes) != 1 or not next(iter(dtypes)).is_floating_point:
+    not_fp8 = [q.quant.format for q in math.quantized if q.quant.format != "fp8"]
+    if not_fp8:
+        return f"its weights are {not_fp8[0]} (the kernel reads fp8 weights with block scales)"
+    if len(math.quantized) not in (0, 2):
+        return "only one of its projections is quantized"
+    scales = set(math.scales)
+    dtypes = {t.dtype for t in spec.tensors if t.name not in scales and math.quantization(t.name) is None}
+    if len(dtypes) > 1 or not all(d.is_floating_point for d in dtypes):
         return f"its expert tensors have dtypes {sorted(map(str, dtypes))}"
     unaligned = [t.name for t in spec.replicated if t.nbytes % ALIGN_BYTES]
     if unaligned:
@@ -104,22 +110,41 @@ def epilogue_of(layer: ExpertsLayer):
 
 def choose_experts_kernel(requested: str, device: torch.device, layers: list[ExpertsLayer]) -> str:
     """"triton" for CUDA models whose every layer the kernel runs, "reference" otherwise; an explicit
-    "triton" that cannot work is an error naming the layer and the reason, not a silent fallback."""
+    "triton" (or "triton_fp8") that cannot work is an error naming the layer and the reason, not a
+    silent fallback."""
     if requested == "reference" or (requested == "auto" and device.type != "cuda"):
         return "reference"
     for layer in layers:
         blocker = kernel_blocker(layer)
+        if blocker is None and requested == "triton_fp8":
+            blocker = fp8_dot_blocker(layer)
         if blocker is not None:
-            if requested == "triton":
-                raise ValueError(f"experts_kernel='triton' cannot run {layer.name} ({type(layer.module).__name__}): "
+            if requested in ("triton", "triton_fp8"):
+                raise ValueError(f"experts_kernel={requested!r} cannot run {layer.name} ({type(layer.module).__name__}): "
                                  f"{blocker}")
             return "reference"
-    return "triton"
+    return "triton_fp8" if requested == "triton_fp8" else "triton"
 
 
-def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables) -> KernelTables:
+def fp8_dot_blocker(layer: ExpertsLayer) -> str | None:
+    """Why fp8 x fp8 dots cannot run this layer (on top of kernel_blocker), or None."""
+    from .kernels import GroupedGemmConfig
+
+    math = layer.spec.math
+    if len(math.quantized) != 2:
+        return "fp8 dots need fp8 weights with block scales"
+    block_k = GroupedGemmConfig().block_k
+    columns = [q.quant.block[1] for q in math.quantized]
+    if any(c % block_k for c in columns):
+        return f"its scale blocks span {columns} columns, not multiples of the kernel's K tile {block_k}"
+    if math.biases:
+        return "fp8 dots take no biases"
+    return None
+
+
+def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables, fp8_activations: bool = False) -> KernelTables:
     """The Triton path's address tables of one slot's per-expert views (built once, reused)."""
-    from .kernels import expert_weight_table
+    from .kernels import expert_weight_table, scale_table
 
     math = spec.math
 
@@ -132,4 +157,12 @@ def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables) -> KernelTables
     def bias(name: str | None):
         return None if name is None else expert_weight_table(tables[name], name=name, ndim=1)
 
-    return KernelTables(weights(math.first[0]), weights(math.down), bias(math.first_bias[0]), bias(math.down_bias))
+    first, down = weights(math.first[0]), weights(math.down)
+
+    def scales(name: str, table):
+        quantized = math.quantization(name)
+        return None if quantized is None else scale_table(tables[quantized.scale], quantized.quant, table,
+                                                           quantized.scale)
+
+    return KernelTables(first, down, bias(math.first_bias[0]), bias(math.down_bias), scales(math.first[0], first),
+                        scales(math.down, down), fp8_activations)

@@ -14,6 +14,11 @@ resident while its shard is open or a tensor still uses the mapping, so one shar
 time, dense tensors are copied out of it, and expert pages go once DWDPModel has copied them into
 the rank's segment: the load's peak is about dense + local experts + one shard.
 
+Quantized checkpoints (`quantization_config` in config.json: fp8 with block scales, MXFP4; see
+dwdp.quantization) keep their experts quantized: the skeleton's experts modules are laid out for
+values + scales, which are read per rank like any other expert tensor (a `weight_scale_inv` follows
+its weight's name mapping). Dense fp8 linears are dequantized to the model's dtype once at load.
+
 Checkpoint names are mapped to the model's with transformers' own conversion mapping (renames such
 as Mixtral's `block_sparse_moe` -> `mlp`, and the per-expert -> stacked merges), so both layouts
 load: per-expert `...experts.{e}.gate_proj/up_proj/down_proj.weight` (gate_up = cat(gate, up) on
@@ -34,8 +39,11 @@ import torch
 
 from .adapters import ExpertsLayer, find_experts
 from .expert_tensors import ExpertTensor
+from .kernels.block_scales import FP8_DTYPE, dequantize
+from .quantization import ExpertsQuantization, relayout_experts
 
 INDEX_FILE = "model.safetensors.index.json"
+SCALE_SUFFIX = "_scale_inv"  # fp8 block scales: `<weight>_scale_inv`, `<module>.weight_scale_inv`
 SINGLE_FILE = "model.safetensors"
 _EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
@@ -98,6 +106,8 @@ class LoadReport:
     rss_after: int
     peak_is_load_only: bool
     peak_method: str = PEAK_METHOD
+    expert_bytes: int = 0       # one expert as held and moved: every named tensor (values, scales, biases)
+    experts_format: str = ""    # "torch.bfloat16", "fp8 + 128x128 torch.float32 block scales", ...
 
     @property
     def load_peak_bytes(self) -> int:
@@ -119,7 +129,8 @@ class LoadReport:
             ("RSS added after load", self.steady_bytes),
         ]
         head = f"rank {self.rank}/{self.group_size}: loaded {self.path} in {self.seconds:.2f} s ({self.peak_method})"
-        return "\n".join([head] + [f"  {name:<26}{n / mib:10.1f} MiB" for name, n in rows])
+        expert = f"  {'one expert':<26}{self.expert_bytes / 1024:10.1f} KiB ({self.experts_format})"
+        return "\n".join([head, expert] + [f"  {name:<26}{n / mib:10.1f} MiB" for name, n in rows])
 
 
 # -- the checkpoint on disk ---------------------------------------------------------------------
@@ -166,10 +177,10 @@ class Shards:
             self._open, self._open_name = safe_open(str(path), framework="pt", device="cpu"), name
         return self._open
 
-    def _slice(self, key: str, shape: tuple[int, ...]):
+    def _slice(self, key: str, shape: tuple[int, ...] | None):
         sl = self._handle(key).get_slice(key)
         got = tuple(sl.get_shape())
-        if got != shape:
+        if shape is not None and got != shape:
             raise CheckpointError(
                 f"{self.file_of(key)}: tensor {key!r} has shape {list(got)}, the model config expects {list(shape)}"
             )
@@ -179,13 +190,18 @@ class Shards:
         self.tensors_read += 1
         self.bytes_read += t.numel() * t.element_size()
 
-    def view(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """The whole tensor `key` (checked against `shape` and castable to `dtype`) as stored, still
-        backed by the shard's mapping: callers copy it and drop it."""
+    def view(self, key: str, shape: tuple[int, ...] | None, dtype: torch.dtype | None) -> torch.Tensor:
+        """The whole tensor `key` (checked against `shape` unless None, and castable to `dtype` unless
+        None) as stored, still backed by the shard's mapping: callers copy it and drop it."""
         t = self._slice(key, shape)[:]
         self._count(t)
-        _check_cast(t.dtype, dtype, self.file_of(key), key)
+        if dtype is not None:
+            _check_cast(t.dtype, dtype, self.file_of(key), key)
         return t
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        """The stored shape of `key` (from the shard's header; nothing is read)."""
+        return tuple(self._handle(key).get_slice(key).get_shape())
 
     def read(self, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """The whole tensor `key` cast to `dtype`, in memory of its own (a tensor kept after the load
@@ -227,6 +243,30 @@ class Shards:
         self._open, self._open_name = None, None
 
 
+def write_shards(tensors: dict[str, torch.Tensor], directory: Path, num_shards: int) -> None:
+    """Write `tensors` as `num_shards` safetensors files of about equal size plus the index json
+    (the layout `Shards` reads; tests and the tiny checkpoint makers use it)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    shards, current, size = [], {}, 0
+    for key, t in tensors.items():
+        if current and size >= total * (len(shards) + 1) / num_shards:
+            shards.append(current)
+            current = {}
+        current[key] = t.contiguous()
+        size += t.numel() * t.element_size()
+    shards.append(current)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in shard})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2))
+
+
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
     """[5, 6, 7, 0] -> [(5, 8), (0, 1)]: half-open runs of consecutive indices, in order."""
     runs: list[tuple[int, int]] = []
@@ -240,18 +280,25 @@ def _runs(rows: list[int]) -> list[tuple[int, int]]:
 
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "F8_E8M0": getattr(torch, "float8_e8m0fnu", None),
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
 }
 
 
 def _check_cast(stored: torch.dtype | None, dtype: torch.dtype, file: Path, key: str, name: str = "") -> None:
-    """Only float -> float is a cast that keeps the weights' meaning; ints or bools would not."""
+    """Only float -> float is a cast that keeps the weights' meaning; ints or bools would not, nor would
+    a cast into or out of a 1-byte float (fp8 values mean nothing without their block scales)."""
     if stored == dtype:
         return
     if stored is None or not (stored.is_floating_point and dtype.is_floating_point):
         raise CheckpointError(
             f"{file}: tensor {key!r} is {stored or name} and cannot be cast to the model's {dtype}"
+        )
+    if stored.itemsize == 1 or dtype.itemsize == 1:
+        raise CheckpointError(
+            f"{file}: tensor {key!r} is {stored} where the model expects {dtype}: quantized values are never cast "
+            "(a quantized checkpoint needs its quantization_config in config.json, and fp8 weights their "
+            "weight_scale_inv)"
         )
 
 
@@ -284,10 +331,12 @@ class ExpertEntry:
 
 @dataclass
 class KeyPlan:
-    """dense: model state_dict name -> checkpoint key; experts: (experts module, tensor name) -> ExpertEntry."""
+    """dense: model state_dict name -> checkpoint key; experts: (experts module, tensor name) -> ExpertEntry;
+    dense_scales: model name of a dense fp8 weight -> checkpoint key of its block scales."""
 
     dense: dict[str, str]
     experts: dict[tuple[str, str], ExpertEntry]
+    dense_scales: dict[str, str] = field(default_factory=dict)
 
 
 def plan_keys(model: torch.nn.Module, shards: Shards, layers: list[ExpertsLayer]) -> KeyPlan:
@@ -313,7 +362,14 @@ def plan_keys(model: torch.nn.Module, shards: Shards, layers: list[ExpertsLayer]
     ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
     unexpected = []
     for key in shards.weight_map:
-        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
+        # A weight's scales follow the weight's own name mapping (per-expert pieces included).
+        suffix = SCALE_SUFFIX if key.endswith(SCALE_SUFFIX) else ""
+        source = key.removesuffix(suffix)
+        target, pattern = rename_source_key(source, renamings, converters, model.base_model_prefix, meta_state)
+        if suffix and pattern is None and target in meta_state and target not in by_target:
+            plan.dense_scales[target] = key
+            continue
+        target += suffix
         if target in by_target:
             entry = plan.experts[by_target[target]]
             if pattern is None:
@@ -325,9 +381,12 @@ def plan_keys(model: torch.nn.Module, shards: Shards, layers: list[ExpertsLayer]
         elif not any(p.search(key) for p in ignored):
             unexpected.append(key)
     if unexpected:
+        scales = [k for k in unexpected if k.endswith((SCALE_SUFFIX, "_blocks", "_scales"))]
+        hint = (f"; {scales[0]!r} looks like quantized weights: is config.json missing the checkpoint's "
+                "quantization_config?" if scales and not any(layer.spec.math.quantized for layer in layers) else "")
         raise CheckpointError(
             f"{shards.index}: {len(unexpected)} tensors have no place in {type(model).__name__}, "
-            f"e.g. {unexpected[:3]} (in {shards.file_of(unexpected[0]).name})"
+            f"e.g. {unexpected[:3]} (in {shards.file_of(unexpected[0]).name}){hint}"
         )
     for (name, _), entry in plan.experts.items():
         _check_complete(f"{name}.{entry.tensor.param}", entry, shards)
@@ -401,6 +460,21 @@ def _skeleton(path: Path, dtype: torch.dtype | None):
     return model.eval()
 
 
+def _experts_quantization(model, path: Path) -> ExpertsQuantization | None:
+    """The checkpoint's expert format from its quantization_config (None: dense), with the meta
+    skeleton's experts modules laid out for it. CheckpointError for a format dwdp does not read."""
+    config = getattr(model.config, "quantization_config", None)
+    if config is None:
+        return None
+    try:
+        quant = ExpertsQuantization.from_config(config, str(path / "config.json"))
+        for layer in find_experts(model):
+            relayout_experts(layer, quant)
+    except (ValueError, RuntimeError) as exc:
+        raise CheckpointError(str(exc) if str(path) in str(exc) else f"{path / 'config.json'}: {exc}") from None
+    return quant
+
+
 def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name)
@@ -411,9 +485,11 @@ def _set_tensor(model: torch.nn.Module, name: str, value: torch.Tensor) -> None:
         parent._buffers[leaf] = value
 
 
-def load_dense(model, plan: KeyPlan, shards: Shards, device: torch.device) -> None:
+def load_dense(model, plan: KeyPlan, shards: Shards, device: torch.device,
+               quant: ExpertsQuantization | None = None) -> None:
     """Read every dense tensor into the meta `model`, tie shared weights and recompute the buffers
-    that checkpoints do not hold (rotary inv_freq). Raises CheckpointError for a missing tensor."""
+    that checkpoints do not hold (rotary inv_freq); dense fp8 weights are dequantized with their block
+    scales (`quant`'s blocks). Raises CheckpointError for a missing tensor."""
     # Non-persistent buffers are derived from the config: let the model's own init compute them.
     owners = {name.rpartition(".")[0] for name, _ in model.named_non_persistent_buffers()}
     for owner in sorted(owners):
@@ -423,13 +499,58 @@ def load_dense(model, plan: KeyPlan, shards: Shards, device: torch.device) -> No
     # In shard order, so each shard is opened once.
     for target, key in sorted(plan.dense.items(), key=lambda item: shards.weight_map[item[1]]):
         current = model.get_parameter_or_buffer(target)
-        value = shards.read(key, tuple(current.shape), current.dtype)
+        if target in plan.dense_scales:
+            value = _dequantized(shards, key, plan.dense_scales[target], tuple(current.shape), current.dtype, quant)
+        else:
+            value = shards.read(key, tuple(current.shape), current.dtype)
         _set_tensor(model, target, value if value.device == device else value.to(device))
     expert_names = {f"{name}.{entry.tensor.param}" for (name, _), entry in plan.experts.items()}
     missing = set(model.state_dict()) - set(plan.dense) - expert_names
     model.tie_weights(missing_keys=missing, recompute_mapping=False)
     if missing:
         raise CheckpointError(f"{shards.index}: tensors {sorted(missing)[:5]} of the model are missing")
+
+
+def _dequantized(shards: Shards, key: str, scale_key: str, shape: tuple[int, ...], dtype: torch.dtype,
+                 quant: ExpertsQuantization | None) -> torch.Tensor:
+    """The dense fp8 weight `key` [N, K] times its block scales `scale_key`, in `dtype`."""
+    file = shards.file_of(scale_key)
+    if quant is None or quant.format != "fp8":
+        raise CheckpointError(f"{file}: tensor {scale_key!r} scales {key!r}, but config.json has no fp8 "
+                              "quantization_config to say how")
+    values = shards.view(key, shape, None)
+    if values.dtype != FP8_DTYPE or len(shape) != 2:
+        raise CheckpointError(f"{shards.file_of(key)}: tensor {key!r} is {values.dtype} {list(shape)} next to its "
+                              f"scales {scale_key!r}; expected float8_e4m3fn [N, K]")
+    bq = quant.block_quant(*shape, fused_gate=False)
+    scales = shards.view(scale_key, None, None)
+    if scales.numel() == 1 and quant.block is None:
+        scales = scales.reshape(1, 1)  # one scale for the whole matrix
+    if tuple(scales.shape) != bq.scale_shape(*shape):
+        raise CheckpointError(f"{file}: tensor {scale_key!r} has shape {list(scales.shape)}, expected "
+                              f"{list(bq.scale_shape(*shape))}: one scale per {bq.block[0]} x {bq.block[1]} block "
+                              f"of {key!r} {list(shape)}")
+    return dequantize(values, scales, bq, dtype)
+
+
+def check_scale_shapes(plan: KeyPlan, shards: Shards, layers: list[ExpertsLayer]) -> None:
+    """Every experts scale tensor of the checkpoint holds one scale per block of its weight; raises
+    CheckpointError naming the file, the tensor and the block otherwise (before anything is read)."""
+    for layer in layers:
+        for q in layer.spec.math.quantized:
+            entry = plan.experts[(layer.name, q.scale)]
+            weight = layer.spec.tensor(q.weight)
+            keys = [(entry.stacked, entry.shape)] if entry.stacked is not None else [
+                (k, (entry.shape[1] // len(parts), *entry.shape[2:]))
+                for parts in entry.parts.values() for k in parts]
+            for key, expected in keys:
+                got = shards.shape_of(key)
+                if got != tuple(expected):
+                    split = " (gate and up blocked apart)" if q.quant.halves == 2 else ""
+                    raise CheckpointError(
+                        f"{shards.file_of(key)}: tensor {key!r} has shape {list(got)}, expected {list(expected)}: "
+                        f"one scale per {q.quant.block[0]} x {q.quant.block[1]} block of {layer.name}.{q.weight} "
+                        f"{list(weight.shape)} per expert{split}")
 
 
 def expert_reader(plan: KeyPlan, shards: Shards):
@@ -475,7 +596,11 @@ class CheckpointLoad:
         self.start = time.perf_counter()
         self.shards = Shards(self.path)
         self.model = _skeleton(self.path, dtype)
-        self.plan = plan_keys(self.model, self.shards, find_experts(self.model))
+        self.quant = _experts_quantization(self.model, self.path)
+        layers = find_experts(self.model)
+        self.plan = plan_keys(self.model, self.shards, layers)
+        if self.quant is not None:
+            check_scale_shapes(self.plan, self.shards, layers)
         self.expert_source = expert_reader(self.plan, self.shards)
         # Measured from here: the model code is imported and the skeleton holds no weights, so what the
         # RSS gains is the rank's data.
@@ -483,7 +608,7 @@ class CheckpointLoad:
         self.rss_before = rss_bytes()[0]
 
     def load_dense(self) -> None:
-        load_dense(self.model, self.plan, self.shards, self.device)
+        load_dense(self.model, self.plan, self.shards, self.device, self.quant)
 
     def close(self) -> None:
         self.shards.close()
@@ -503,4 +628,20 @@ class CheckpointLoad:
             local_expert_bytes=memory.local_expert_bytes, prefetch_buffer_bytes=memory.prefetch_buffer_bytes,
             full_expert_bytes=memory.full_expert_bytes, rss_before=self.rss_before, rss_peak=rss_peak,
             rss_after=rss_after, peak_is_load_only=self.peak_is_load_only,
+            expert_bytes=self.expert_bytes, experts_format=self.experts_format,
         )
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert of the first MoE layer, every named tensor at its own dtype."""
+        first = next(iter(self.plan.experts))[0]
+        return sum(entry.tensor.nbytes for (name, _), entry in self.plan.experts.items() if name == first)
+
+    @property
+    def experts_format(self) -> str:
+        if self.quant is None:
+            return str(next(iter(self.plan.experts.values())).dtype)
+        if self.quant.format == "mxfp4":
+            return "mxfp4: e2m1 values + one e8m0 scale per 32"
+        block = "x".join(map(str, self.quant.block)) if self.quant.block else "per-matrix"
+        return f"fp8 e4m3 values + {block} {self.quant.scale_dtype} block scales"

@@ -226,8 +226,9 @@ class DWDPModel(ModelWrapper):
         for index, layer in enumerate(layers):
             tables = [_layer_tables(layer, slots, buf, table_order) for buf in slot_buffers]
             kernel_tables, epilogue = None, None
-            if self.experts_kernel == "triton":
-                kernel_tables = [kernel_weight_tables(layer.spec, t) for t in tables]
+            if self.experts_kernel in ("triton", "triton_fp8"):
+                fp8_dots = self.experts_kernel == "triton_fp8"
+                kernel_tables = [kernel_weight_tables(layer.spec, t, fp8_dots) for t in tables]
                 epilogue = epilogue_of(layer)
             layer.module._dwdp_runtime = LayerRuntime(
                 index, placement.num_local_experts, position, tuple(table_order), tables, layer.spec.math,

@@ -50,18 +50,33 @@ class Recommendation:
     reason: str
 
 
-def expert_geometry(model_config) -> tuple[int, int, int]:
-    """(num_experts, bytes of one expert's gate_up + down in the config's dtype, MoE layer count)."""
-    num_experts = next(getattr(model_config, k) for k in ("n_routed_experts", "num_local_experts", "num_experts")
-                       if getattr(model_config, k, None))
-    inter = getattr(model_config, "moe_intermediate_size", None) or model_config.intermediate_size
+def expert_geometry(model_config) -> tuple[int, int, int, int]:
+    """(num_experts, bytes of one expert as a rank holds and moves it, MoE layer count, dense bytes).
+
+    Read from the model built on the meta device (no memory) in the config's dtype, its experts laid
+    out as the config's quantization_config says: an fp8 or MXFP4 expert counts its quantized values and
+    their block scales, every named tensor at its own dtype (biases included).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .adapters import find_experts
+    from .quantization import ExpertsQuantization, relayout_experts
+    from .wrapping import dense_bytes
+
     dtype = getattr(model_config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    elem = torch.tensor([], dtype=dtype).element_size()
-    expert_bytes = 3 * inter * model_config.hidden_size * elem
-    dense_first = getattr(model_config, "first_k_dense_replace", 0) or 0
-    return num_experts, expert_bytes, model_config.num_hidden_layers - dense_first
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+    layers = find_experts(model)
+    quantization = getattr(model_config, "quantization_config", None)
+    if quantization is not None:
+        quant = ExpertsQuantization.from_config(quantization, "model config")
+        for layer in layers:
+            relayout_experts(layer, quant)
+        layers = find_experts(model)
+    spec = layers[0].spec
+    experts = [t.stored(layer.module) for layer in layers for t in layer.spec.tensors]
+    return spec.num_experts, sum(t.nbytes for t in spec.tensors), len(layers), dense_bytes(model, experts)
 
 
 def measure_copy_bandwidth(num_experts: int, group_size: int, expert_bytes: int, slice_sizes: list[int],
@@ -167,11 +182,10 @@ def report(copies: list[CopyMeasurement], rec: Recommendation) -> dict:
 def run_tune(model_config, group_size: int, max_num_tokens: int, slice_sizes: list[int], inflight: int,
              memory_budget: int | None, out: str, repeats: int = 3) -> dict:
     """Measure, recommend, print a table and write the recommended DWDPConfig to `out`."""
-    num_experts, expert_bytes, num_moe_layers = expert_geometry(model_config)
+    num_experts, expert_bytes, num_moe_layers, dense = expert_geometry(model_config)
     torch.set_num_threads(1)  # one rank's share of a host that runs `group_size` ranks
     copies = measure_copy_bandwidth(num_experts, group_size, expert_bytes, slice_sizes, inflight, repeats)
     t_compute = measure_layer_compute(model_config, max_num_tokens, repeats)
-    dense = _dense_bytes_estimate(model_config, num_experts, expert_bytes, num_moe_layers)
     budget = memory_budget or default_memory_budget(group_size)
     rec = recommend(num_experts, expert_bytes, num_moe_layers, group_size, dense, copies, t_compute, budget, inflight)
     rec.config.to_json(out)
@@ -180,20 +194,19 @@ def run_tune(model_config, group_size: int, max_num_tokens: int, slice_sizes: li
     for c in copies:
         print(f"{c.slice_bytes:>10}  {c.bytes_per_plan / MIB:>9.2f}  {1e3 * c.seconds:>8.2f}  {c.gb_per_s:>6.2f}")
     print(f"one MoE layer at {max_num_tokens} tokens: {1e3 * t_compute:.2f} ms compute; "
-          f"prefetch of {num_experts - rec.config.num_local_experts} experts: {1e3 * rec.t_prefetch_s:.2f} ms "
-          f"({'hidden' if rec.hidden else 'exposed'})")
+          f"prefetch of {num_experts - rec.config.num_local_experts} experts of {expert_bytes / 1024:.1f} KiB "
+          f"({_experts_format(model_config)}): {1e3 * rec.t_prefetch_s:.2f} ms ({'hidden' if rec.hidden else 'exposed'})")
     print(f"resident per rank {rec.resident_bytes / MIB:.1f} MiB of a {budget / MIB:.0f} MiB budget; {rec.reason}")
     print(f"recommended: slice_bytes={rec.config.slice_bytes} num_buffers={rec.config.num_buffers} "
           f"num_local_experts={rec.config.num_local_experts} -> {out} (DWDPConfig.from_json)")
-    return report(copies, rec)
+    return dict(report(copies, rec), expert_bytes=expert_bytes, experts_format=_experts_format(model_config))
 
 
-def _dense_bytes_estimate(model_config, num_experts: int, expert_bytes: int, num_moe_layers: int) -> int:
-    """Parameter bytes outside the routed experts, from a model on the meta device (no allocation)."""
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config)
-    elem = torch.tensor([], dtype=next(model.parameters()).dtype).element_size()
-    total = sum(p.numel() for p in model.parameters()) * elem
-    return total - num_experts * expert_bytes * num_moe_layers
+def _experts_format(model_config) -> str:
+    """What one expert is held as: the config's dtype, or its quantization with block scales."""
+    quantization = getattr(model_config, "quantization_config", None)
+    if quantization is None:
+        return str(getattr(model_config, "dtype", None) or "float32").removeprefix("torch.")
+    get = quantization.get if isinstance(quantization, dict) else lambda k, d=None: getattr(quantization, k, d)
+    block = get("weight_block_size", None)
+    return f"{get('quant_method')} values + {'x'.join(map(str, block)) + ' ' if block else ''}block scales"

@@ -1,6 +1,7 @@
 """Build each DWDP rank from a checkpoint directory under torchrun, reading only what the rank keeps.
 
     python examples/torchrun_from_pretrained.py --make-tiny /tmp/tiny-moe      # write a checkpoint
+    python examples/torchrun_from_pretrained.py --make-tiny /tmp/tiny-fp8 --family deepseek_v3 --dtype fp8
     torchrun --nproc-per-node 2 examples/torchrun_from_pretrained.py /tmp/tiny-moe
 
 Each rank loads the dense weights and its local experts only, runs a forward on its own batch and
@@ -29,10 +30,18 @@ def rss_split() -> dict:
     return {k: int(v.split()[0]) / 1024 for k, v in fields.items()}
 
 
-def make_tiny(directory: str, family: str) -> None:
-    model = build_tiny_model(family, seed=0, **TINY)
-    model.save_pretrained(directory, max_shard_size="50MB")  # several shards + model.safetensors.index.json
-    print(f"wrote a {family} checkpoint to {directory}: {sorted(os.listdir(directory))}")
+def make_tiny(directory: str, family: str, dtype: str) -> None:
+    if dtype == "fp32":
+        model = build_tiny_model(family, seed=0, **TINY)
+        model.save_pretrained(directory, max_shard_size="50MB")  # several shards + model.safetensors.index.json
+    else:
+        # Quantized: values + block scales and the quantization_config, as DeepSeek-V3 (fp8) or gpt-oss (MXFP4) ship.
+        from dwdp.quantization import ExpertsQuantization
+        from dwdp.tiny_quantized import save_quantized_checkpoint
+
+        quant = ExpertsQuantization("fp8", (128, 128)) if dtype == "fp8" else ExpertsQuantization("mxfp4")
+        save_quantized_checkpoint(directory, family, quant, seed=0, num_shards=4, **TINY)
+    print(f"wrote a {dtype} {family} checkpoint to {directory}: {sorted(os.listdir(directory))}")
 
 
 def run_rank(directory: str, check: bool) -> int:
@@ -67,11 +76,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("directory", nargs="?", help="checkpoint directory to load on every rank")
     parser.add_argument("--make-tiny", metavar="DIR", help="write a tiny random checkpoint to DIR and exit")
-    parser.add_argument("--family", choices=FAMILIES, default="qwen3_moe", help="family of --make-tiny")
+    parser.add_argument("--family", choices=FAMILIES + ("gpt_oss",), default="qwen3_moe", help="family of --make-tiny")
+    parser.add_argument("--dtype", choices=("fp32", "fp8", "mxfp4"), default="fp32",
+                        help="experts of --make-tiny: fp32, fp8 with 128x128 block scales (dense linears fp8 too), "
+                             "or MXFP4 (gpt_oss)")
     parser.add_argument("--check", action="store_true", help="compare logits with the fully loaded model")
     args = parser.parse_args()
     if args.make_tiny:
-        make_tiny(args.make_tiny, args.family)
+        make_tiny(args.make_tiny, args.family, args.dtype)
         return 0
     if not args.directory:
         parser.error("give a checkpoint directory, or --make-tiny DIR")

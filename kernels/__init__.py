@@ -3,6 +3,7 @@
 The Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); importing this
 package needs neither, and the references run anywhere.
 """
+from .block_scales import BlockQuant, dequantize, quantize_fp8, quantize_mxfp4
 from .grouped_gemm import (
     ACTIVATIONS,
     SWIGLU,
@@ -17,15 +18,18 @@ from .grouped_gemm import (
 )
 from .moe import moe_experts, sort_by_expert
 from .reference import epilogue_reference, grouped_gemm_reference, moe_experts_reference, swiglu_reference
+from .scaled_weights import ScaleTable, scale_table
 
 __all__ = [
     "ACTIVATIONS",
     "SWIGLU",
+    "BlockQuant",
     "Epilogue",
     "epilogue_reference",
     "ExpertWeightTable",
     "GroupedGemmConfig",
     "default_wave_size",
+    "dequantize",
     "expert_weight_table",
     "grouped_gemm",
     "grouped_gemm_reference",
@@ -33,6 +37,10 @@ __all__ = [
     "local_first_split",
     "moe_experts",
     "moe_experts_reference",
+    "quantize_fp8",
+    "quantize_mxfp4",
+    "ScaleTable",
+    "scale_table",
     "sort_by_expert",
     "swiglu_reference",
 ]

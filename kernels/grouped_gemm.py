@@ -29,9 +29,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
+
+from .block_scales import BlockQuant
+
+if TYPE_CHECKING:
+    from .scaled_weights import ScaleTable
 
 try:
     import triton
@@ -41,6 +46,8 @@ except ImportError:  # dwdp.kernels must import on machines without Triton (CPU 
     tl = None
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Tables may also hold fp8 weights (read with their block scales) and the scales themselves.
+_TABLE_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.uint8)
 _OFFSET_DTYPES = (torch.int32, torch.int64)
 _ALIGN_BYTES = 16
 _PARTS = {"all": 0, "first": 1, "second": 2}
@@ -126,13 +133,15 @@ class ExpertWeightTable:
         return len(self.views)
 
 
-def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights", ndim: int = 2) -> ExpertWeightTable:
+def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights", ndim: int = 2,
+                        aligned: bool = True) -> ExpertWeightTable:
     """Validate E per-expert views and collect their base addresses.
 
     ndim=2: weights [N, K], each contiguous or the transpose of a contiguous [K, N] tensor (read
     without a copy), all with the same strides. ndim=1: biases [N], contiguous.
     Every view must have the same shape, dtype and device and start on a 16-byte boundary
-    (vectorised loads). Raises ValueError naming `name[e]` otherwise.
+    (vectorised loads; `aligned=False` for tables read element by element, such as block scales).
+    Raises ValueError naming `name[e]` otherwise.
     """
     what = "[N, K]" if ndim == 2 else "[N]"
     if isinstance(weights, torch.Tensor):
@@ -148,8 +157,8 @@ def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights
             raise ValueError(f"{name}[{e}] must be {ndim}-D {what}, got shape {tuple(w.shape)}")
         if w.shape != first.shape:
             raise ValueError(f"{name}[{e}] has shape {tuple(w.shape)}, expected {tuple(first.shape)} like {name}[0]")
-        if w.dtype not in _DTYPES:
-            raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected one of {_DTYPES}")
+        if w.dtype not in _TABLE_DTYPES:
+            raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected one of {_TABLE_DTYPES}")
         if w.dtype != first.dtype:
             raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected {first.dtype} like {name}[0]")
         if w.device != first.device:
@@ -158,7 +167,7 @@ def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights
         if not dense or w.stride() != first.stride():
             raise ValueError(f"{name}[{e}] must be contiguous (or a transposed contiguous [K, N]) with the strides "
                              f"of {name}[0] {first.stride()}, got strides {w.stride()}")
-        if w.data_ptr() % _ALIGN_BYTES:
+        if aligned and w.data_ptr() % _ALIGN_BYTES:
             raise ValueError(f"{name}[{e}] starts at address {w.data_ptr():#x}, not {_ALIGN_BYTES}-byte aligned")
     addresses = torch.tensor([w.data_ptr() for w in views], dtype=torch.int64)  # [E]
     if first.device.type != "cpu":
@@ -223,10 +232,38 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _dequantize_tile(w, s_base, s_rows, k_blocks, stride_sn, stride_sk, mask, SCALE_E8M0: tl.constexpr):
+        """w [BLOCK_K, BLOCK_N] fp8 -> fp32 times the block scale of each element (rows s_rows [BLOCK_N],
+        columns k_blocks [BLOCK_K] of the expert's scale grid)."""
+        s_ptrs = s_base + s_rows[None, :].to(tl.int64) * stride_sn + k_blocks[:, None] * stride_sk
+        if SCALE_E8M0:
+            s = tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+        else:
+            s = tl.load(s_ptrs, mask=mask, other=0.0)
+        return w.to(tl.float32) * s
+
+    @triton.jit
+    def _column_scales(s_base, s_rows, k_block, stride_sn, stride_sk, mask, SCALE_E8M0: tl.constexpr):
+        """[BLOCK_N] fp32 block scales of scale rows s_rows at scale column k_block."""
+        s_ptrs = s_base + s_rows.to(tl.int64) * stride_sn + k_block * stride_sk
+        if SCALE_E8M0:
+            return tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+        return tl.load(s_ptrs, mask=mask, other=0.0)
+
+    @triton.jit
+    def _fp8_dot(a, w, FP32_DOT: tl.constexpr):
+        """a [BLOCK_M, BLOCK_K] fp8 @ w [BLOCK_K, BLOCK_N] fp8 -> fp32 (fp8 tensor cores on sm_89+; exact
+        fp32 products in the interpreter)."""
+        if FP32_DOT:
+            return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, w)
+
+    @triton.jit
     def _grouped_gemm_kernel(
         a_ptr,  # [rows of A, K] activations: the sorted rows, or token rows gathered through slots
         w_table_ptr,  # [E] int64 base address of each expert's [N, K] weight view (any strides, see stride_w*)
         bias_table_ptr,  # [E] int64 base address of each expert's [N] bias, read when HAS_BIAS
+        scale_table_ptr,  # [E] int64 base address of each expert's [SR, SC] fp8 block scales, read when W_SCALED
         offsets_ptr,  # [E + 1] int32/int64 first sorted row of each expert, then T
         slots_ptr,  # [T] int64 slot (token * top_k + j) of each sorted row, read when HAS_SLOTS
         scale_ptr,  # [T] (or [slots]) per-row scale, indexed by slot when HAS_SLOTS, read when HAS_SCALE
@@ -244,6 +281,13 @@ if triton is not None:
         alpha,  # fp32 sigmoid gain of ACTIVATION 1
         limit,  # fp32 clamp of gate (above) and up (both sides) when CLAMP
         up_offset,  # fp32 added to up before the product (gpt-oss: 1)
+        half_rows,  # weight rows per separately blocked half (N, or N / 2 for a [gate; up] blocked per half)
+        half_scale_rows,  # scale rows per half
+        scale_block_n, scale_block_k,  # weights per scale: bn rows x bk columns
+        stride_sn, stride_sk,  # strides of every expert's scale view
+        a_scale_ptr,  # [rows of A, ceil(K / act_group)] fp32 scales of fp8 activations, read when A_FP8
+        stride_asm,  # row stride of a_scale
+        act_group,  # columns of A per activation scale (a multiple of BLOCK_K)
         PART: tl.constexpr,  # 0 all experts, 1 first (local prefix), 2 second (the rest)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
@@ -260,6 +304,9 @@ if triton is not None:
         ACTIVATION: tl.constexpr,  # 0 none, 1 silu(alpha), 2 gelu (tanh), 3 relu^2
         CLAMP: tl.constexpr,  # clamp gate and up by limit before the activation
         FP32_DOT: tl.constexpr,  # upcast tiles and use IEEE fp32 dots
+        W_SCALED: tl.constexpr,  # fp8 weights, dequantized with their block scales tile by tile in the K loop
+        SCALE_E8M0: tl.constexpr,  # scales are e8m0 exponent bytes (2^(s - 127)), else fp32
+        A_FP8: tl.constexpr,  # with W_SCALED: A is fp8 with row scales; fp8 x fp8 dots, both scales applied per K tile
     ):
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -333,7 +380,17 @@ if triton is not None:
             ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
 
             # Base of this expert's weights, wherever its buffer is; 16-byte alignment checked on host.
-            w_base = tl.multiple_of(tl.load(w_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
+            if W_SCALED:
+                w_base = tl.multiple_of(tl.load(w_table_ptr + expert).to(tl.pointer_type(tl.float8e4nv)), 16)
+                if SCALE_E8M0:
+                    s_base = tl.load(scale_table_ptr + expert).to(tl.pointer_type(tl.uint8))
+                else:
+                    s_base = tl.load(scale_table_ptr + expert).to(tl.pointer_type(tl.float32))
+                # Scale row of each weight row: its half, then its block within the half.
+                s_rows = (w_rows // half_rows) * half_scale_rows + (w_rows % half_rows) // scale_block_n  # [BLOCK_N]
+                s_up_rows = (up_rows // half_rows) * half_scale_rows + (up_rows % half_rows) // scale_block_n
+            else:
+                w_base = tl.multiple_of(tl.load(w_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
             a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
             w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -344,16 +401,35 @@ if triton is not None:
                 k_mask = ks < K - k0
                 a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                if FP32_DOT:
-                    acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                if A_FP8:
+                    # One activation scale per row and one weight scale per column for this whole K tile.
+                    a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // act_group, mask=row_mask, other=0.0)
+                    w_s = _column_scales(s_base, s_rows, k0 // scale_block_k, stride_sn, stride_sk, col_mask,
+                                         SCALE_E8M0)
+                    acc += _fp8_dot(a, w, FP32_DOT) * a_s[:, None] * w_s[None, :]
                 else:
-                    acc = tl.dot(a, w, acc)
+                    if W_SCALED:
+                        k_blocks = (k0 + ks) // scale_block_k  # [BLOCK_K] scale column of each k
+                        w = _dequantize_tile(w, s_base, s_rows, k_blocks, stride_sn, stride_sk,
+                                             k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
+                    if FP32_DOT:
+                        acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+                    else:
+                        acc = tl.dot(a, w, acc)
                 if GATED:
                     w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-                    if FP32_DOT:
-                        acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
+                    if A_FP8:
+                        w_up_s = _column_scales(s_base, s_up_rows, k0 // scale_block_k, stride_sn, stride_sk,
+                                                col_mask, SCALE_E8M0)
+                        acc_up += _fp8_dot(a, w_up, FP32_DOT) * a_s[:, None] * w_up_s[None, :]
                     else:
-                        acc_up = tl.dot(a, w_up, acc_up)
+                        if W_SCALED:
+                            w_up = _dequantize_tile(w_up, s_base, s_up_rows, k_blocks, stride_sn, stride_sk,
+                                                    k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
+                        if FP32_DOT:
+                            acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
+                        else:
+                            acc_up = tl.dot(a, w_up, acc_up)
                     up_ptrs += BLOCK_K * stride_wk
                 a_ptrs += BLOCK_K * stride_ak
                 w_ptrs += BLOCK_K * stride_wk
@@ -468,7 +544,10 @@ def _launch(
     atomic_out: bool,
     epilogue: Epilogue | None,  # None: plain x @ w.T
     bias: ExpertWeightTable | None,  # E views [N]
+    scales: "ScaleTable | None",  # fp8 weights: E views of block scales (kernels.scaled_weights)
     top_k: int,
+    a_scales: torch.Tensor | None = None,  # [rows of A, ceil(K / act_group)] fp32: `a` is fp8 (fp8 x fp8 dots)
+    act_group: int = 1,
     split_at: int,
     n_tiles_partner: int | None,
     part: str,
@@ -480,11 +559,14 @@ def _launch(
     n_tiles = _tile_count(n_out, config.block_n)
     max_tiles = (_tile_count(num_rows, config.block_m) + table.num_experts) * n_tiles
     grid = (max(1, min(wave_size, max_tiles)),)
-    fp32_dot = is_interpreter() or a.dtype == torch.float32
+    fp32_dot = is_interpreter() or a.dtype == torch.float32  # fp8 A: fp8 tensor-core dots on a GPU
     dummy = expert_offsets  # never read when the matching flag is off
     ep = epilogue or Epilogue(activation="none", gated=False)
+    scale_strides = scales.table.strides if scales is not None else (0, 0)
+    block = scales.quant.block if scales is not None else (1, 1)
     _grouped_gemm_kernel[grid](
-        a, table.addresses, bias.addresses if bias is not None else dummy, expert_offsets,
+        a, table.addresses, bias.addresses if bias is not None else dummy,
+        scales.table.addresses if scales is not None else dummy, expert_offsets,
         slots if slots is not None else dummy,
         scale if scale is not None else dummy,
         out,
@@ -495,25 +577,34 @@ def _launch(
         table.strides[0], table.strides[1],
         out.stride(0), out.stride(1),
         float(ep.alpha), float(min(ep.limit, 3.0e38)), float(ep.up_offset),
+        scales.half_rows if scales is not None else 1, scales.half_scale_rows if scales is not None else 1,
+        block[0], block[1], scale_strides[0], scale_strides[1],
+        a_scales if a_scales is not None else dummy, a_scales.stride(0) if a_scales is not None else 0, act_group,
         PART=_PARTS[part],
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         BLOCK_E=triton.next_power_of_2(table.num_experts + 1),
         HAS_SLOTS=slots is not None, GATHER_A=gather_a, HAS_SCALE=scale is not None,
         SCATTER_OUT=scatter_out, ATOMIC_OUT=atomic_out, HAS_BIAS=bias is not None, GATED=ep.gated,
         INTERLEAVED=ep.interleaved, ACTIVATION=ACTIVATIONS[ep.activation], CLAMP=ep.limit != float("inf"),
-        FP32_DOT=fp32_dot, num_warps=config.num_warps, num_stages=config.num_stages,
+        FP32_DOT=fp32_dot, W_SCALED=scales is not None, SCALE_E8M0=scales is not None and scales.is_e8m0,
+        A_FP8=a_scales is not None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
 
-def _check_bias(bias: ExpertWeightTable | None, weights: ExpertWeightTable, name: str) -> None:
+def _check_bias(bias: ExpertWeightTable | None, weights: ExpertWeightTable, name: str,
+                dtype: torch.dtype | None = None) -> None:
+    """Biases: one [N] view per expert, in `dtype` (default: the weights' dtype; the activations' dtype
+    next to fp8 weights)."""
     if bias is None:
         return
     if bias.num_experts != weights.num_experts or bias.shape != (weights.shape[0],):
         raise ValueError(f"{name} has {bias.num_experts} views of shape {list(bias.shape)}, expected "
                          f"{weights.num_experts} of [{weights.shape[0]}] (one per expert, N of its weights)")
-    if bias.dtype != weights.dtype or bias.device != weights.device:
-        raise ValueError(f"{name} is {bias.dtype} on {bias.device}, expected {weights.dtype} on {weights.device} "
-                         "like its weights")
+    dtype = dtype or weights.dtype
+    like = "like its weights" if dtype == weights.dtype else "like the activations (its weights are quantized)"
+    if bias.dtype != dtype or bias.device != weights.device:
+        raise ValueError(f"{name} is {bias.dtype} on {bias.device}, expected {dtype} on {weights.device} {like}")
 
 
 def grouped_gemm(
@@ -529,6 +620,9 @@ def grouped_gemm(
     part: Literal["all", "first", "second"] = "all",
     wave_size: int | None = None,
     config: GroupedGemmConfig | None = None,
+    weight_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
+    quant: BlockQuant | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """out[rows of e] = epilogue(x_sorted[rows of e] @ weights[e].T) for each expert e, one launch.
 
@@ -547,11 +641,21 @@ def grouped_gemm(
     split_at, part: local-first scheduling. Experts [0, split_at) are local; "first" computes the
         wave-aligned local prefix (see `local_first_split`), "second" everything else.
     wave_size: programs of the persistent grid (default: SMs x config.programs_per_sm).
+    weight_scales, quant: fp8 weights (float8_e4m3fn views) with E views of their block scales
+        (kernels.block_scales; or a ScaleTable): each weight tile is dequantized in the K loop, in
+        fp32, then rounded to x's dtype for the dot, as grouped_gemm_reference dequantizes them.
+    fp8_activations: with fp8 weights, x is quantized to fp8 per row and block of K columns and each
+        K tile is an fp8 x fp8 dot scaled by both scales (the block columns must be a multiple of
+        config.block_k; no bias).
     Returns out [T, N_OUT] in x's dtype; accumulation is fp32.
     """
+    from .block_scales import quantize_rows_fp8
+    from .scaled_weights import check_fp8_activations, scale_table
+
     _require_triton()
     config = config or GroupedGemmConfig()
     table = _as_table(weights, "weights")
+    scales = None if weight_scales is None else scale_table(weight_scales, quant, table, "weight_scales")
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
         raise ValueError(f"x_sorted must be a 2-D tensor [T, K], got {getattr(x_sorted, 'shape', type(x_sorted))}")
     if x_sorted.dtype not in _DTYPES:
@@ -565,8 +669,9 @@ def grouped_gemm(
     n, k_w = table.shape
     if k_w != k:
         raise ValueError(f"weights have K={k_w} but x_sorted has K={k} (shape {tuple(x_sorted.shape)})")
-    if table.dtype != x_sorted.dtype:
-        raise ValueError(f"weights have dtype {table.dtype} but x_sorted has {x_sorted.dtype}")
+    if table.dtype != x_sorted.dtype and scales is None:
+        raise ValueError(f"weights have dtype {table.dtype} but x_sorted has {x_sorted.dtype}"
+                         + (" (fp8 weights need weight_scales)" if table.dtype == torch.float8_e4m3fn else ""))
     if table.device != x_sorted.device:
         raise ValueError(f"weights are on {table.device} but x_sorted is on {x_sorted.device}")
     _check_offsets(expert_offsets, table.num_experts, num_rows, x_sorted.device)
@@ -578,7 +683,7 @@ def grouped_gemm(
         raise ValueError(f"activation={activation!r} needs an even N (gate and up halves), weights have N={n}")
     n_out = n // 2 if gated else n
     bias_table = None if bias is None else _as_table(bias, "bias", ndim=1)
-    _check_bias(bias_table, table, "bias")
+    _check_bias(bias_table, table, "bias", x_sorted.dtype)
     if row_scale is not None:
         if not isinstance(row_scale, torch.Tensor) or row_scale.shape != (num_rows,):
             raise ValueError(
@@ -598,12 +703,18 @@ def grouped_gemm(
         )
     config_wave = default_wave_size(x_sorted.device, config) if wave_size is None else wave_size
     split = _check_split(split_at, part, table.num_experts, config_wave)
+    if fp8_activations:
+        check_fp8_activations(scales, bias_table, config, "weight_scales")
     if num_rows == 0:
         return out
+    a, a_scales, group = x_sorted, None, 1
+    if fp8_activations:
+        group = scales.quant.block[1]
+        a, a_scales = quantize_rows_fp8(x_sorted, group)  # [T, K] fp8, [T, K / bk]
     _launch(
-        x_sorted, expert_offsets, table, out,
+        a, expert_offsets, table, out,
         num_rows=num_rows, slots=None, scale=row_scale, gather_a=False, scatter_out=False,
-        atomic_out=False, epilogue=epilogue, bias=bias_table, top_k=1, split_at=split,
-        n_tiles_partner=None, part=part, wave_size=config_wave, config=config,
+        atomic_out=False, epilogue=epilogue, bias=bias_table, scales=scales, top_k=1, split_at=split,
+        n_tiles_partner=None, part=part, wave_size=config_wave, config=config, a_scales=a_scales, act_group=group,
     )
     return out

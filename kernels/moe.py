@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from .block_scales import BlockQuant
 from .grouped_gemm import (
     SWIGLU,
     Epilogue,
@@ -39,6 +40,8 @@ from .grouped_gemm import (
     _tile_count,
     default_wave_size,
 )
+from .block_scales import quantize_rows_fp8
+from .scaled_weights import ScaleTable, check_fp8_activations, scale_table
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +73,11 @@ def moe_experts(
     on_local_done: Callable[[], None] | None = None,
     wave_size: int | None = None,
     config: GroupedGemmConfig | None = None,
+    first_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
+    down_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
+    first_quant: BlockQuant | None = None,
+    down_quant: BlockQuant | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """The experts part of one MoE layer: out[t] = sum_j w[t, j] * down_e(act(gate_e x_t) * up_e x_t).
 
@@ -82,6 +90,10 @@ def moe_experts(
     first_bias, down_bias: optional E views [2I] (or [I]) and [H], added before the epilogue.
     epilogue: the gate of the first GEMM (default SwiGLU: silu(gate) * up, [gate; up] halves).
     combine: "sum" (deterministic, [S, H] buffer reduced over k) or "atomic" (fp32 atomics).
+    first_scales, down_scales (+ first_quant, down_quant): fp8 gate_up / down views with E views of
+        their block scales (or ScaleTables): tiles dequantized in the K loop (grouped_gemm).
+    fp8_activations: with fp8 weights, quantize the tokens (and h) to fp8 per row and block of K
+        (DeepSeek-V3's dynamic 1 x 128 activation scales) and run fp8 x fp8 dots, scaled per K tile.
     split_at: local-first scheduling with experts [0, split_at) local: both GEMMs first run the
         wave-aligned local prefix, then `on_local_done()` is called (e.g. make the compute stream
         wait for the prefetch), then both GEMMs run the remaining experts.
@@ -94,8 +106,15 @@ def moe_experts(
     down_table = _as_table(down, "down")
     first_bias_table = None if first_bias is None else _as_table(first_bias, "first_bias", ndim=1)
     down_bias_table = None if down_bias is None else _as_table(down_bias, "down_bias", ndim=1)
-    _check_bias(first_bias_table, gate_up_table, "first_bias")
-    _check_bias(down_bias_table, down_table, "down_bias")
+    first_scale_table = None if first_scales is None else scale_table(first_scales, first_quant, gate_up_table,
+                                                                       "first_scales")
+    down_scale_table = None if down_scales is None else scale_table(down_scales, down_quant, down_table,
+                                                                    "down_scales")
+    if fp8_activations:
+        check_fp8_activations(first_scale_table, first_bias_table, config, "first_scales")
+        check_fp8_activations(down_scale_table, down_bias_table, config, "down_scales")
+    _check_bias(first_bias_table, gate_up_table, "first_bias", hidden.dtype)
+    _check_bias(down_bias_table, down_table, "down_bias", hidden.dtype)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
         raise ValueError(f"hidden must be a 2-D tensor [T, H], got {getattr(hidden, 'shape', type(hidden))}")
     if not hidden.is_contiguous():
@@ -113,8 +132,8 @@ def moe_experts(
         raise ValueError(f"down has {down_table.num_experts} experts but gate_up has {num_experts}")
     if down_table.shape != (hidden_dim, inter):
         raise ValueError(f"down views are {list(down_table.shape)}, expected [H, I] = [{hidden_dim}, {inter}]")
-    for name, table in (("gate_up", gate_up_table), ("down", down_table)):
-        if table.dtype != hidden.dtype or table.device != hidden.device:
+    for name, table, scales in (("gate_up", gate_up_table, first_scale_table), ("down", down_table, down_scale_table)):
+        if (table.dtype != hidden.dtype and scales is None) or table.device != hidden.device:
             raise ValueError(
                 f"{name} is {table.dtype} on {table.device}, expected {hidden.dtype} on {hidden.device} like hidden"
             )
@@ -154,21 +173,29 @@ def moe_experts(
     gate_up_n_tiles = _tile_count(inter, config.block_n)
     down_n_tiles = _tile_count(hidden_dim, config.block_n)
 
+    first_a, first_a_scales = hidden, None
+    if fp8_activations:  # tokens quantized once, before any launch (rows gathered with their scales)
+        first_a, first_a_scales = quantize_rows_fp8(hidden, first_scale_table.quant.block[1])  # [T, H], [T, H / bk]
     parts = ("all",) if split_at is None else ("first", "second")
     for part in parts:
         if part == "second" and on_local_done is not None:
             on_local_done()
         _launch(
-            hidden, expert_offsets, gate_up_table, h,
+            first_a, expert_offsets, gate_up_table, h,
             num_rows=num_slots, slots=slots, scale=None, gather_a=True, scatter_out=False,
-            atomic_out=False, epilogue=epilogue, bias=first_bias_table, top_k=top_k, split_at=split,
-            n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
+            atomic_out=False, epilogue=epilogue, bias=first_bias_table, scales=first_scale_table, top_k=top_k,
+            split_at=split, n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
+            a_scales=first_a_scales, act_group=first_scale_table.quant.block[1] if fp8_activations else 1,
         )
+        down_a, down_a_scales = h, None
+        if fp8_activations:  # this part's rows of h are final: quantize h for the down GEMM's fp8 dots
+            down_a, down_a_scales = quantize_rows_fp8(h, down_scale_table.quant.block[1])  # [S, I], [S, I / bk]
         _launch(
-            h, expert_offsets, down_table, out,
+            down_a, expert_offsets, down_table, out,
             num_rows=num_slots, slots=slots, scale=slot_weights, gather_a=False, scatter_out=True,
-            atomic_out=combine == "atomic", epilogue=None, bias=down_bias_table, top_k=top_k, split_at=split,
-            n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
+            atomic_out=combine == "atomic", epilogue=None, bias=down_bias_table, scales=down_scale_table,
+            top_k=top_k, split_at=split, n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
+            a_scales=down_a_scales, act_group=down_scale_table.quant.block[1] if fp8_activations else 1,
         )
     if combine == "sum":
         return out.view(num_tokens, top_k, hidden_dim).sum(dim=1)  # [T, H]

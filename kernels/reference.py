@@ -10,6 +10,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from .block_scales import BlockQuant, dequantize, dequantize_rows, quantize_rows_fp8
 from .grouped_gemm import SWIGLU, Epilogue
 
 
@@ -18,6 +19,10 @@ def grouped_gemm_reference(
     expert_offsets: torch.Tensor | Sequence[int],
     weights: Sequence[torch.Tensor],
     biases: Sequence[torch.Tensor] | None = None,
+    *,
+    weight_scales: Sequence[torch.Tensor] | None = None,
+    quant: BlockQuant | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """out[rows of e] = x_sorted[rows of e] @ weights[e].T (+ biases[e]) for each expert e.
 
@@ -25,7 +30,14 @@ def grouped_gemm_reference(
     expert_offsets: [E + 1] row offsets (offsets[0] = 0, offsets[E] = T), tensor or ints.
     weights: E views [N, K], each wherever its expert lives (local parameter or a prefetch
         buffer); they are read in place, never concatenated. A transposed view ([K, N] storage) is fine.
+        Quantized (with `weight_scales` and `quant`): each view as stored (fp8 [N, K], MXFP4 blocks
+        [N, K / 32, 16]); an expert's weight is dequantized to x's dtype only when it has rows, one
+        expert at a time, and dropped before the next.
     biases: optional E views [N], one per expert.
+    weight_scales: E views of block scales (kernels.block_scales), with `quant`.
+    fp8_activations: fp8 weights times activations quantized to fp8 per row and block of K columns
+        (quantize_rows_fp8, group = the weights' block columns), as the kernel's fp8 dots see them;
+        products and sums in fp32.
     Returns [T, N] in x_sorted's dtype.
     """
     offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
@@ -37,14 +49,28 @@ def grouped_gemm_reference(
         raise ValueError("weights is empty: expected one [N, K] view per expert")
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"biases has {len(biases)} entries, expected one per expert ({len(weights)})")
+    if (weight_scales is None) != (quant is None):
+        raise ValueError("weight_scales and quant go together: both for quantized weights, neither for dense ones")
+    if weight_scales is not None and len(weight_scales) != len(weights):
+        raise ValueError(f"weight_scales has {len(weight_scales)} entries, expected one per expert ({len(weights)})")
     n = weights[0].shape[0]
     out = x_sorted.new_empty(x_sorted.shape[0], n)  # [T, N]
-    for e, w in enumerate(weights):
+    x, compute = x_sorted, x_sorted.dtype
+    if fp8_activations:
+        if quant is None or quant.format != "fp8":
+            raise ValueError(f"fp8_activations needs fp8 weights with block scales, got quant={quant}")
+        group = quant.block[1]
+        x, compute = dequantize_rows(*quantize_rows_fp8(x_sorted, group), group), torch.float32  # [T, K]
+    for e in range(len(weights)):
         lo, hi = offsets[e], offsets[e + 1]
         if hi < lo:
             raise ValueError(f"expert_offsets decreases at expert {e}: {lo} > {hi}")
         if hi > lo:
-            out[lo:hi] = F.linear(x_sorted[lo:hi], w, None if biases is None else biases[e])
+            w = weights[e]
+            if quant is not None:
+                w = dequantize(w, weight_scales[e], quant, compute)  # [N, K], this expert only
+            b = None if biases is None else biases[e].to(compute)
+            out[lo:hi] = F.linear(x[lo:hi], w, b)
     return out
 
 
@@ -85,6 +111,11 @@ def moe_experts_reference(
     first_bias: Sequence[torch.Tensor] | None = None,
     down_bias: Sequence[torch.Tensor] | None = None,
     epilogue: Epilogue = SWIGLU,
+    first_scales: Sequence[torch.Tensor] | None = None,
+    down_scales: Sequence[torch.Tensor] | None = None,
+    first_quant: BlockQuant | None = None,
+    down_quant: BlockQuant | None = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """out[t] = sum_j w[t, j] * down_e(gate(gate_up_e x_t + b1_e)) + b2_e) with e = top_k_index[t, j].
 
@@ -95,6 +126,10 @@ def moe_experts_reference(
     gate_up: E views [2I, H] (gate and up halves, or interleaved rows; [I, H] when the epilogue is
     not gated); down: E views [H, I]; either may be a transposed view. first_bias: E views [2I];
     down_bias: E views [H]. epilogue: the gate (default silu(gate) * up).
+    first_scales / down_scales with first_quant / down_quant: quantized weights (as stored) and their
+    block scales, each expert dequantized to hidden's dtype when it has tokens. fp8_activations: both
+    GEMMs as fp8 x fp8 dots (grouped_gemm_reference), h rounded to hidden's dtype in between, as the
+    kernel stores it.
     Returns [T, H] in hidden's dtype.
     """
     if len(gate_up) != len(down):
@@ -108,7 +143,21 @@ def moe_experts_reference(
             continue
         b1 = None if first_bias is None else first_bias[e]
         b2 = None if down_bias is None else down_bias[e]
-        h = epilogue_reference(F.linear(hidden[token_idx], gate_up[e], b1), epilogue)  # [n_e, I]
-        y = F.linear(h, down[e], b2)  # [n_e, H]
-        per_slot[token_idx, pos] = y * top_k_weights[token_idx, pos, None].to(y.dtype)
+        if fp8_activations:
+            rows = [0, token_idx.numel()]
+            # fp32 in and out: the kernel's epilogue and routing weight act on its fp32 accumulators.
+            h = grouped_gemm_reference(hidden[token_idx].float(), rows, [gate_up[e]], None if b1 is None else [b1],
+                                       weight_scales=[first_scales[e]], quant=first_quant, fp8_activations=True)
+            h = epilogue_reference(h, epilogue).to(hidden.dtype)  # [n_e, I] as the kernel stores it
+            y = grouped_gemm_reference(h.float(), rows, [down[e]], None if b2 is None else [b2],
+                                       weight_scales=[down_scales[e]], quant=down_quant, fp8_activations=True)
+        else:
+            w1, w2 = gate_up[e], down[e]
+            if first_scales is not None:
+                w1 = dequantize(w1, first_scales[e], first_quant, hidden.dtype)  # [2I, H], this expert only
+            if down_scales is not None:
+                w2 = dequantize(w2, down_scales[e], down_quant, hidden.dtype)    # [H, I]
+            h = epilogue_reference(F.linear(hidden[token_idx], w1, b1), epilogue)  # [n_e, I]
+            y = F.linear(h, w2, b2)  # [n_e, H]
+        per_slot[token_idx, pos] = (y * top_k_weights[token_idx, pos, None].to(y.dtype)).to(per_slot.dtype)
     return per_slot.sum(dim=1)

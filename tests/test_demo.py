@@ -53,3 +53,23 @@ def test_demo_on_another_family(tmp_path):
 def test_demo_rejects_unknown_family():
     proc = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--family", "llama"], capture_output=True, text=True)
     assert proc.returncode != 0 and "family='llama' is not an MoE family" in proc.stderr, proc.stderr
+
+
+# fp8 demo: the same experts as fp8 bytes + 128 x 128 fp32 block scales: gate_up [512, 256] -> 4 x 2 scales,
+# down [256, 256] -> 2 x 2 (each expert's scale tensor padded to 16 bytes in segments and slots).
+DEMO_FP8_EXPERT_BYTES = (512 * 256 + 256 * 256) + (4 * 2 * 4) + (2 * 2 * 4)
+
+
+@pytest.mark.timeout(180)
+def test_demo_fp8_matches_and_moves_fp8_bytes(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "dwdp", "demo", "--dtype", "fp8", "--ranks", "2", "--prompts", "1", "--max-len", "8",
+         "--repeats", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fp8 (128 x 128 block scales) experts" in proc.stdout and "2/2 ranks match" in proc.stdout, proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes_prefetched"] for r in rows] == [4 * 8 * DEMO_FP8_EXPERT_BYTES] * 2, rows
+    assert [r["local_expert_bytes"] for r in rows] == [4 * 8 * DEMO_FP8_EXPERT_BYTES] * 2, rows

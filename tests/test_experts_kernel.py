@@ -9,7 +9,9 @@ from dwdp.experts_kernel import identify_epilogue
 from dwdp.kernels import Epilogue
 from dwdp.group import init_group, launch_local
 from dwdp.model import DWDPModel
+from dwdp.quantization import ExpertsQuantization
 from dwdp.tiny import build_tiny_model
+from dwdp.tiny_quantized import build_tiny_quantized
 
 MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor", "aten.clone",
              "aten.contiguous", "aten._to_copy", "aten.copy_")
@@ -43,6 +45,22 @@ def _rank(rank: int) -> dict:
             reference = model(ids).logits
         with DWDPModel(model, DWDPConfig(experts_kernel="triton", **changes), group) as wrapped, torch.no_grad():
             out[family] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel)
+    # fp8 experts (dwdp's layout; transformers' FP8Experts with ue8m0 scales): dequantized in the K loop.
+    for name, quant, fp8_class in (("fp8", ExpertsQuantization("fp8", (16, 16)), False),
+                                   ("fp8_experts_ue8m0", ExpertsQuantization("fp8", (128, 128), "ue8m0"), True)):
+        model, dense = build_tiny_quantized("deepseek_v3", quant, seed=2, fp8_experts_class=fp8_class)
+        ids = torch.randint(3, 128, (2, 5 + rank), generator=torch.Generator().manual_seed(rank))
+        with torch.no_grad():
+            reference = dense(ids).logits
+        with DWDPModel(model, DWDPConfig(experts_kernel="triton"), group) as wrapped, torch.no_grad():
+            out[name] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel)
+    # fp8 x fp8 dots (experts_kernel="triton_fp8"): tokens quantized per row and 128 columns.
+    model, dense = build_tiny_quantized("deepseek_v3", ExpertsQuantization("fp8", (128, 128)), seed=2)
+    with torch.no_grad():
+        reference = dense(ids).logits
+    with DWDPModel(model, DWDPConfig(experts_kernel="triton_fp8"), group) as wrapped, torch.no_grad():
+        out["fp8_dots"] = ((wrapped(ids).logits - reference).abs().max().item(), wrapped.experts_kernel,
+                           reference.abs().max().item())
     # Reference path: weights are read where they live, transposed ones through views, never copied.
     out["merge_ops"], out["num_ops"] = [], 0
     for family, changes in (("mixtral", {}), ("gpt_oss", dict(expert_biases="move"))):
@@ -65,10 +83,14 @@ def _rank(rank: int) -> dict:
 def test_triton_experts_path_equals_unwrapped_and_reference_path_merges_nothing():
     results = launch_local(_rank, 2, timeout_s=280, env={"TRITON_INTERPRET": "1"})
     for rank, r in enumerate(results):
-        for family in TRITON_CASES:
+        for family in [*TRITON_CASES, "fp8", "fp8_experts_ue8m0"]:
             diff, kernel = r[family]
             assert kernel == "triton"
             assert diff <= 1e-4, f"{family} rank {rank}: triton experts path max|diff|={diff:.3e}"
+        # Quantized activations: each K tile's fp8 values are within 2^-4 of the tokens, so logits move
+        # by a few percent of their largest value, yet always by something (bf16-dot fp8 matched to 1e-4).
+        diff, kernel, scale = r["fp8_dots"]
+        assert kernel == "triton_fp8" and 1e-4 < diff <= 5e-2 * scale, f"rank {rank}: fp8 dots {diff:.3e} of {scale:.3e}"
         assert r["num_ops"] > 100, "the op log saw nothing: the check would be vacuous"
         assert r["merge_ops"] == [], f"rank {rank}: weights were gathered or concatenated: {r['merge_ops'][:5]}"
 
@@ -78,6 +100,14 @@ def test_explicit_triton_on_unsupported_activation_is_an_error():
     with pytest.raises(ValueError, match=r"experts_kernel='triton' cannot run model.layers.0.mlp.experts "
                                          r"\(MixtralExperts\): its gate \(GELUActivation\(gate\) \* up\) is none "
                                          r"of the kernel's epilogues"):
+        DWDPModel(model, DWDPConfig(experts_kernel="triton"), init_group())
+
+
+def test_explicit_triton_on_mxfp4_is_an_error():
+    model, _ = build_tiny_quantized("gpt_oss", ExpertsQuantization("mxfp4"), seed=1, intermediate=64)
+    with pytest.raises(ValueError, match=r"experts_kernel='triton' cannot run model.layers.0.mlp.experts "
+                                         r"\(GptOssExperts\): its weights are mxfp4 \(the kernel reads fp8 weights "
+                                         r"with block scales\)"):
         DWDPModel(model, DWDPConfig(experts_kernel="triton"), init_group())
 
 

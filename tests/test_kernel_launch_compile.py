@@ -43,6 +43,9 @@ for launch in json.load(sys.stdin):
         "async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x10", ptx)),
         "scalar_16": ptx.count("ld.global.b16"),
         "wgmma": ptx.count("wgmma.mma_async"),
+        "e4m3_cvt": len(re.findall(r"cvt\.[a-z0-9.]*e4m3x2", ptx)),
+        "wgmma_fp8": len(re.findall(r"wgmma\.mma_async[^\n]*e4m3\.e4m3", ptx)),
+        "scalar_8": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]8 ", ptx)),
     })
 print(json.dumps(counts))
 """
@@ -186,3 +189,40 @@ def test_transposed_biased_launches_compile_with_wgmma(recorder):
     for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
         assert c["async_16"] > 0 and c["wgmma"] > 0, f"{name}: loads / wgmma in sm_90 PTX: {c}"
         assert c["scalar_16"] <= 2, f"{name}: more scalar loads than the bias rows: {c}"
+
+
+@pytest.mark.timeout(180)
+def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder):
+    """fp8 weights with 128 x 128 block scales (DeepSeek-V3's layout, gate and up blocked apart):
+    the fp8 tiles stream through 16-byte cp.async like bf16 ones, are converted from e4m3 in
+    registers, scaled and fed to bf16 wgmma; no fp8 value is loaded a byte at a time. With fp8
+    activations the dots are fp8 x fp8 wgmma."""
+    from dwdp.kernels import BlockQuant, quantize_fp8
+
+    gen = torch.Generator().manual_seed(6)
+    tokens, hidden, inter, experts, top_k = 200, 1024, 512, 8, 4
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    first_quant, down_quant = BlockQuant("fp8", (128, 128), halves=2), BlockQuant("fp8", (128, 128))
+    gate_up, gate_up_scales = quantize_fp8(torch.randn(experts, 2 * inter, hidden, generator=gen), first_quant)
+    down, down_scales = quantize_fp8(torch.randn(experts, hidden, inter, generator=gen), down_quant)
+    index = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=gen)
+    moe.moe_experts(x, index, weights, list(gate_up), list(down), first_scales=list(gate_up_scales),
+                    down_scales=list(down_scales), first_quant=first_quant, down_quant=down_quant, split_at=4,
+                    on_local_done=lambda: None, wave_size=H100_SMS)
+    assert len(recorder.launches) == 4, len(recorder.launches)
+    first = recorder.launches[0]["args"]
+    assert first["W_SCALED"][1] is True and first["SCALE_E8M0"][1] is False, first
+    for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
+        assert c["async_16"] > 0 and c["wgmma"] > 0, f"{name}: loads / wgmma in sm_90 PTX: {c}"
+        assert c["e4m3_cvt"] > 0 and c["scalar_8"] == 0, f"{name}: fp8 conversions / byte loads in sm_90 PTX: {c}"
+    # fp8 activations: the same launches become fp8 x fp8 wgmma, activation tiles streamed as fp8.
+    recorder.launches.clear()
+    moe.moe_experts(x, index, weights, list(gate_up), list(down), first_scales=list(gate_up_scales),
+                    down_scales=list(down_scales), first_quant=first_quant, down_quant=down_quant, split_at=4,
+                    on_local_done=lambda: None, wave_size=H100_SMS, fp8_activations=True)
+    first = recorder.launches[0]["args"]
+    assert first["A_FP8"][1] is True and first["a_ptr"][0] == "*fp8e4nv", first["a_ptr"]
+    for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
+        assert c["wgmma_fp8"] > 0 and c["async_16"] > 0, f"{name}: fp8 wgmma / loads in sm_90 PTX: {c}"
+        assert c["scalar_8"] == 0, f"{name}: byte loads in sm_90 PTX: {c}"

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dwdp.config import DWDPConfig
 from dwdp.group import init_group, launch_local
-from dwdp.loading import CheckpointError
+from dwdp.loading import CheckpointError, write_shards
 from dwdp.model import DWDPModel
 from dwdp.tiny import FAMILIES, build_tiny_model
 
@@ -54,27 +54,6 @@ def _per_expert_state(family: str, model) -> dict:
         else:
             out[key] = t.clone()
     return out
-
-
-def write_shards(tensors: dict, directory: Path, num_shards: int) -> None:
-    """Write `tensors` as `num_shards` safetensors files of about equal size plus the index json."""
-    directory.mkdir(parents=True, exist_ok=True)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    shards, current, size = [], {}, 0
-    for key, t in tensors.items():
-        if current and size >= total * (len(shards) + 1) / num_shards:
-            shards.append(current)
-            current = {}
-        current[key] = t.contiguous()
-        size += t.numel() * t.element_size()
-    shards.append(current)
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / name), metadata={"format": "pt"})
-        weight_map.update({k: name for k in shard})
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
 def save_checkpoint(family: str, model, directory: Path, layout: str, num_shards: int = 3) -> Path:

@@ -73,3 +73,28 @@ def test_tune_end_to_end_follows_its_own_measurements(tmp_path):
 def test_tune_rejects_bad_slice_sizes(tmp_path):
     with pytest.raises(SystemExit, match="--slice-sizes='4k'"):
         main(["tune", "--family", "mixtral", "--slice-sizes", "4k", "--out", str(tmp_path / "x.json")])
+
+
+@pytest.mark.parametrize("dtype, expert_bytes", [
+    # fp8 values (1 byte) + one fp32 scale per 128 x 128 block, gate and up apart: [2, 1] and [1, 1].
+    ("fp8", (96 * 32 + 32 * 48) + (2 * 1 + 1 * 1) * 4),
+    # MXFP4 needs K % 32 == 0: intermediate 48 is not, so this tiny mixtral is refused by name.
+    ("mxfp4", None),
+])
+def test_tune_counts_quantized_bytes_per_expert(dtype, expert_bytes):
+    """Bytes per expert from the real layout: quantized values plus their block scales."""
+    from dwdp.quantization import ExpertsQuantization
+    from dwdp.tiny import tiny_config
+    from dwdp.tune import expert_geometry
+
+    config = tiny_config("mixtral")
+    quant = ExpertsQuantization("fp8", (128, 128)) if dtype == "fp8" else ExpertsQuantization("mxfp4")
+    config.quantization_config = quant.config_dict()
+    if expert_bytes is None:
+        with pytest.raises(ValueError, match=r"down_proj: mxfp4 needs K divisible by 32, K=48"):
+            expert_geometry(config)
+        return
+    num_experts, got, layers, dense = expert_geometry(config)
+    assert (num_experts, got, layers) == (8, expert_bytes, 3), (num_experts, got, layers)
+    assert got == TINY_EXPERT_BYTES // 4 + 3 * 4, (got, TINY_EXPERT_BYTES)  # fp32 -> fp8: a quarter, plus 3 scales
+    assert dense > 0

@@ -14,7 +14,8 @@ import inspect
 import torch
 
 from ..expert_tensors import ExpertsMath, ExpertsSpec, ExpertTensor, glu
-from .base import ExpertsAdapter, Unsupported
+from .base import ExpertsAdapter, ExpertsLayer, Unsupported
+from .quantized import read_projection
 
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 STANDARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
@@ -70,30 +71,34 @@ def interface_spec(name: str, module: torch.nn.Module, *, has_gate: bool = True,
     """The spec of a stacked-experts module laid out as the decorator's flags say.
 
     Weights [E, N1, H] / [E, H, I] ([E, H, N1] / [E, I, H] when transposed), N1 = 2I with a gate
-    (`gate_up_proj`) and I without (`up_proj`); biases `<weight>_bias` [E, out]. num_experts: the
+    (`gate_up_proj`) and I without (`up_proj`); biases `<weight>_bias` [E, out]. Either projection may
+    be quantized (fp8 with block scales, MXFP4 blocks: dwdp.adapters.quantized). num_experts: the
     real experts when the stacked tensors hold more rows (identity experts beyond them).
     is_concatenated and decorated are recorded for reports and kernel choice: the module's own gate
     function already reads its gate / up layout.
     """
     first = "gate_up_proj" if has_gate else "up_proj"
-    up, down = _stacked(name, module, first, 3), _stacked(name, module, "down_proj", 3)
+    up = read_projection(name, module, first, fused_gate=has_gate, transposed=is_transposed)
+    down = read_projection(name, module, "down_proj", fused_gate=False, transposed=is_transposed)
+    if up.quantized or down.quantized:
+        is_transposed = False  # quantized values are [out, in] (read_projection refuses anything else)
     num_experts = num_experts or down.shape[0]
     declared = getattr(module, "num_experts", None)
     if isinstance(declared, int) and not num_identity_experts and declared != num_experts:
         raise Unsupported(name, module, "num_experts", f"is {declared} but down_proj holds {down.shape[0]} experts")
     if up.shape[0] < num_experts or down.shape[0] != num_experts:
-        raise Unsupported(name, module, first, f"holds {up.shape[0]} experts and down_proj {down.shape[0]}; "
-                                               f"expected {num_experts} in each")
-    up_shape, down_shape = tuple(up.shape[1:]), tuple(down.shape[1:])
+        raise Unsupported(name, module, up.weight, f"holds {up.shape[0]} experts and {down.weight} {down.shape[0]}; "
+                                                   f"expected {num_experts} in each")
+    up_shape, down_shape = up.shape[1:], down.shape[1:]
     n1, hidden = (up_shape[1], up_shape[0]) if is_transposed else up_shape
     inter = n1 // 2 if has_gate else n1
     expected_down = (inter, hidden) if is_transposed else (hidden, inter)
     if (has_gate and n1 % 2) or down_shape != expected_down:
         layout = "[E, H, N1] / [E, I, H]" if is_transposed else "[E, N1, H] / [E, H, I]"
-        raise Unsupported(name, module, "down_proj", f"has shape {list(down.shape)} next to {first} {list(up.shape)}; "
-                                                    f"expected {layout} with N1 = {'2I' if has_gate else 'I'}")
-    tensors = [ExpertTensor(first, first, up_shape, up.dtype),
-               ExpertTensor("down_proj", "down_proj", down_shape, down.dtype)]
+        raise Unsupported(name, module, down.weight, f"has shape {list(down.shape)} next to {up.weight} "
+                                                     f"{list(up.shape)}; expected {layout} with N1 = "
+                                                     f"{'2I' if has_gate else 'I'}")
+    tensors = [*up.tensors, *down.tensors]
     biases: tuple[str | None, str | None] = (None, None)
     if has_bias:
         for attr, size in ((f"{first}_bias", n1), ("down_proj_bias", hidden)):
@@ -109,9 +114,10 @@ def interface_spec(name: str, module: torch.nn.Module, *, has_gate: bool = True,
         if not callable(post_norm):
             raise Unsupported(name, module, "post_expert_norm", "is missing though has_post_expert_norm=True")
     math = ExpertsMath(
-        first=(first,), first_bias=(biases[0],), down="down_proj", down_bias=biases[1], gate=gate,
+        first=(up.weight,), first_bias=(biases[0],), down=down.weight, down_bias=biases[1], gate=gate,
         transposed=frozenset({first, "down_proj"}) if is_transposed else frozenset(), post_norm=post_norm,
         num_identity_experts=num_identity_experts, gate_label=label,
+        quantized=tuple(p.quantized for p in (up, down) if p.quantized is not None),
     )
     extras = dict(has_gate=has_gate, interleaved=not is_concatenated, decorated=decorated)
     return ExpertsSpec(num_experts, tuple(tensors), math, extras=extras)
@@ -135,3 +141,8 @@ class ExpertsInterfaceAdapter(ExpertsAdapter):
 
     def label(self, spec: ExpertsSpec) -> str:
         return "experts interface" if spec.extras.get("decorated") else "experts interface (undecorated)"
+
+    def routes_through_registry(self, layer: ExpertsLayer) -> bool:
+        # Quantized experts classes (FP8Experts) dispatch through a registry of their own: dwdp's
+        # function is installed on the instance instead.
+        return super().routes_through_registry(layer) and not layer.spec.math.quantized

@@ -187,6 +187,8 @@ class DEPModel(ModelWrapper):
         self.model = model
         self.group = group
         self.starts = starts
+        # What hidden states travel as (the experts' weights may be quantized).
+        self.hidden_dtype = model.get_input_embeddings().weight.dtype
         self.experts_modules = [layer.module for layer in layers]
         route_experts(model, layers, DEP_IMPLEMENTATION, dep_experts_forward)
         self.memory = MemoryReport(
@@ -201,9 +203,9 @@ class DEPModel(ModelWrapper):
         for module in self.experts_modules:
             spec = module._dep_runtime.spec
             weight = spec.tensor(spec.math.down).stored(module)                # [L, ...]
-            empty = weight.new_empty(0, spec.hidden_size)                      # [0, H]
+            empty = weight.new_empty(0, spec.hidden_size, dtype=self.hidden_dtype)  # [0, H]
             index = torch.empty(0, 1, dtype=torch.long, device=weight.device)  # [0, 1]
-            dep_experts_forward(module, empty, index, weight.new_empty(0, 1))
+            dep_experts_forward(module, empty, index, empty.new_empty(0, 1))
         self.stats.idle_steps += 1
 
     def close(self) -> None:
