@@ -3,7 +3,7 @@ write them, each with its source, to dwdp/data/calibration.json.
 
 Table 1: DeepSeek-R1 NVFP4 on GB200 NVL72, group 4, ISL 8K with prompt lengths uniform in
 [0.8 ISL, ISL], max-num-tokens 32K, context only; per iteration (one forward of every layer).
-The issue quoting it labels the figures microseconds; they can only be milliseconds per forward:
+The figures are milliseconds per forward (a copy of these figures labelled microseconds cannot be right):
 each DWDP forward pulls 58 layers x 4.76 GB, which takes 307 ms at the full 900 GB/s, so a 429 us
 copy (or 429 us per layer) is impossible, while 429 ms is 72 % of the link.
 

@@ -1,4 +1,4 @@
-"""Many-to-one contention of asynchronous expert pulls (DESIGN.md 1.3): the analytic table and a
+"""Many-to-one contention of asynchronous expert pulls (docs/design.md 1.3): the analytic table and a
 discrete-event simulation of a DWDP group's prefetch traffic.
 
 Legend: N = group size, C = contention degree (pullers on one source, the puller included),

@@ -99,7 +99,7 @@ def copy_time(spec: ModelSpec, hw: Hardware, deploy: Deployment, stretch: float 
 def merge_op(spec: ModelSpec, hw: Hardware, deploy: Deployment, cal: Calibration) -> OpCost | None:
     """The D2D copy of the L local experts into the layer's full [E, ...] buffer, beside the pulled
     ones, before a grouped GEMM that takes one tensor (read + write); None when the kernel reads the
-    experts where they lie (DESIGN.md 1.2)."""
+    experts where they lie (docs/design.md 1.2)."""
     if not deploy.merge_copy:
         return None
     fmt, _ = formats(deploy)

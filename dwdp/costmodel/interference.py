@@ -1,4 +1,4 @@
-"""How much slower a kernel runs while prefetch copies run beside it (DESIGN.md 1.4).
+"""How much slower a kernel runs while prefetch copies run beside it (docs/design.md 1.4).
 
 Two mechanisms, one per operator class:
   * memory-bound kernels share HBM with the copies. A rank writes what it pulls and is read by the

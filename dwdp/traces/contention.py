@@ -1,4 +1,4 @@
-"""Many-to-one source contention measured from copy records (DESIGN.md 1.3).
+"""Many-to-one source contention measured from copy records (docs/design.md 1.3).
 
 Legend: N = group size, C = contention degree of a pull = number of distinct destination ranks
 whose pulls from the same source are in flight at once (the pull's own destination included).
