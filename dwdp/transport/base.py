@@ -21,8 +21,9 @@ class PrefetchError(RuntimeError):
 class Ticket:
     """Completion of one submitted plan, with per-expert readiness.
 
-    A copier calls `_finish_slice` once per slice (from any thread); compute calls `wait` or
-    `wait_experts`, which block at most `timeout` seconds.
+    A copier calls `_finish_slice` once per slice or `_finish_slices` once per batch (from any
+    thread); compute calls `wait` or `wait_experts`, which block at most `timeout` seconds, or asks
+    `landed_prefix` what it can compute now without blocking.
     """
 
     def __init__(self, plan: CopyPlan):
@@ -39,14 +40,27 @@ class Ticket:
 
     def _finish_slice(self, peer: int, expert: int) -> None:
         with self._cond:
-            self._left_total -= 1
-            self._left_expert[expert] -= 1
-            self._left_peer[peer] -= 1
-            if self._left_total == 0:
-                self.finished_ns = time.perf_counter_ns()
-            # Waiters wait for whole experts: waking them for a partial one only costs them.
-            if self._left_expert[expert] == 0:
+            if self._count_landed(peer, expert):
                 self._cond.notify_all()
+
+    def _finish_slices(self, slices) -> None:
+        """Every slice of `slices` (CopySlice) has landed: one lock and one wake-up for a batch."""
+        with self._cond:
+            completed = False
+            for s in slices:
+                completed |= self._count_landed(s.peer, s.expert)
+            if completed:
+                self._cond.notify_all()
+
+    def _count_landed(self, peer: int, expert: int) -> bool:
+        """Count one landed slice; True when it completes its expert. Holds `_cond`."""
+        self._left_total -= 1
+        self._left_expert[expert] -= 1
+        self._left_peer[peer] -= 1
+        if self._left_total == 0:
+            self.finished_ns = time.perf_counter_ns()
+        # Waiters wait for whole experts: waking them for a partial one only costs them.
+        return self._left_expert[expert] == 0
 
     def _fail(self, error: BaseException) -> None:
         with self._cond:
@@ -63,6 +77,18 @@ class Ticket:
         with self._cond:
             self._raise_if_failed()
             return self._left_expert.get(expert, 0) == 0
+
+    def landed_prefix(self, experts) -> int:
+        """How many of `experts`, taken in order, have landed before the first one that has not;
+        never blocks."""
+        with self._cond:
+            self._raise_if_failed()
+            count = 0
+            for e in experts:
+                if self._left_expert.get(e, 0):
+                    break
+                count += 1
+            return count
 
     def wait(self, timeout: float) -> float:
         """Block until every slice has landed; returns the seconds spent waiting."""

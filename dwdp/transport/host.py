@@ -4,6 +4,13 @@ Each rank's source segment is a file in DWDP_SHM_DIR (default /dev/shm) mapped w
 `torch.from_file(shared=True)`. Peers map it once at setup; then its owner unlinks the name, so
 the memory disappears with the last process that maps it, even if the owner crashes later.
 Files left by an owner that died during setup are swept by the next allocation.
+
+A layer's plan is cut into at most `copy_batches` batches where experts complete (`plan.cut_batches`,
+as on the cuda backend); a copier thread takes one batch at a time and copies all its slices in one
+`torch._foreach_copy_` call, the host analogue of cudaMemcpyBatchAsync. The interpreter lock is
+released for the whole batch, so the compute thread is not held up by per-slice Python work; the
+views of every slice are resolved once per (plan, slot buffer). While a trace is recorded, slices
+are copied one by one so each gets its own event.
 """
 from __future__ import annotations
 
@@ -11,12 +18,13 @@ import os
 import queue
 import threading
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .. import envs
-from ..plan import CopyPlan
+from ..plan import CopyPlan, CopySlice, cut_batches
 from ..tracing import now_us
 from .base import Ticket, Transport
 
@@ -51,12 +59,28 @@ def map_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+@dataclass(frozen=True)
+class _HostBatch:
+    """A run of a plan's slices with their uint8 views resolved for one slot buffer: one copier task."""
+
+    slices: tuple[CopySlice, ...]
+    dsts: list[torch.Tensor]  # [nbytes] views of the slot buffer, one per slice
+    srcs: list[torch.Tensor]  # [nbytes] views of the peers' segments, one per slice
+
+
 class HostTransport(Transport):
+    """The `host` backend (see the module docstring). inflight: copier threads; copy_batches: most
+    batches (copier tasks) one plan is cut into."""
+
     name = "host"
 
-    def __init__(self, rank: int, inflight: int = 2, shm_dir: str | None = None):
+    def __init__(self, rank: int, inflight: int = 2, shm_dir: str | None = None, copy_batches: int = 4):
+        if copy_batches < 1:
+            raise ValueError(f"copy_batches={copy_batches} must be >= 1")
         self.rank = rank
         self.inflight = inflight
+        self.copy_batches = copy_batches
+        self._batches: dict[tuple[int, int], tuple[CopyPlan, list[_HostBatch]]] = {}
         self.shm_dir = Path(shm_dir or envs.shm_dir())
         self._path: Path | None = None
         self._segment: torch.Tensor | None = None
@@ -120,23 +144,47 @@ class HostTransport(Transport):
             item = self._queue.get()
             if item is None:
                 return
-            ticket, dst, s = item
+            ticket, batch = item
             if ticket.error is not None:
                 continue
             recorder = self.recorder
-            start = now_us() if recorder is not None else 0.0
             try:
-                # torch releases the GIL inside copy_, so copiers and compute run in parallel.
-                dst[s.dst_offset : s.dst_offset + s.nbytes].copy_(
-                    self._peers[s.peer][s.src_offset : s.src_offset + s.nbytes]
-                )
+                if recorder is None:
+                    torch._foreach_copy_(batch.dsts, batch.srcs)  # the lock is released for the whole batch
+                else:
+                    self._copy_recorded(worker, ticket, batch, recorder)
             except BaseException as exc:  # surfaced to the waiter, never lost in a thread
                 ticket._fail(exc)
                 continue
-            if recorder is not None:
-                recorder.copy_slice(worker, start, now_us(), s.peer, s.nbytes, ticket.plan.layer, ticket.plan.slot,
-                                    s.expert)
-            ticket._finish_slice(s.peer, s.expert)
+            ticket._finish_slices(batch.slices)
+
+    @staticmethod
+    def _copy_recorded(worker: int, ticket: Ticket, batch: _HostBatch, recorder) -> None:
+        """Slice by slice, one trace event each (tracing only)."""
+        for s, dst, src in zip(batch.slices, batch.dsts, batch.srcs):
+            start = now_us()
+            dst.copy_(src)
+            recorder.copy_slice(worker, start, now_us(), s.peer, s.nbytes, ticket.plan.layer, ticket.plan.slot,
+                                s.expert)
+
+    def _resolve(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> list[_HostBatch]:
+        """The plan's batches with their views into `slot_buffer`, built once and reused. A slice
+        outside its segment or slot gives a view of the wrong length: the copy fails and the waiter
+        hears of it."""
+        key = (id(plan), slot_buffer.data_ptr())
+        cached = self._batches.get(key)
+        if cached is not None and cached[0] is plan:
+            return cached[1]
+        batches = []
+        for batch in cut_batches(plan, self.copy_batches):
+            chunk = plan.slices[batch.start : batch.stop]
+            batches.append(_HostBatch(
+                slices=chunk,
+                dsts=[slot_buffer[s.dst_offset : s.dst_offset + s.nbytes] for s in chunk],
+                srcs=[self._peers[s.peer][s.src_offset : s.src_offset + s.nbytes] for s in chunk],
+            ))
+        self._batches[key] = (plan, batches)
+        return batches
 
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> Ticket:
         if self._closed:
@@ -146,8 +194,8 @@ class HostTransport(Transport):
         if slot_buffer.dtype != torch.uint8 or not slot_buffer.is_contiguous():
             raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
         ticket = Ticket(plan)
-        for s in plan.slices:
-            self._queue.put((ticket, slot_buffer, s))
+        for batch in self._resolve(plan, slot_buffer):
+            self._queue.put((ticket, batch))
         return ticket
 
     def close(self) -> None:
@@ -161,4 +209,5 @@ class HostTransport(Transport):
         self._threads.clear()
         self.seal()
         self._peers = []
+        self._batches = {}
         self._segment = None
