@@ -152,6 +152,13 @@ def build_copy_plan(
     return CopyPlan(rank, layer, slot, tuple(ordered))
 
 
+def arrival_order(plan: CopyPlan) -> tuple[int, ...]:
+    """The plan's experts in the order their last slice comes in the plan: the order in which they
+    become ready when slices land in plan order."""
+    last = {s.expert: i for i, s in enumerate(plan.slices)}
+    return tuple(sorted(last, key=last.__getitem__))
+
+
 class PlanCache:
     """Copy plans built once per (layer, slot) for one rank and reused on every forward."""
 

@@ -105,12 +105,19 @@ class Prefetcher:
                     self.stats.slot_hits += 1
         return slot_index
 
+    def landed(self, layer: int, slot_index: int) -> bool:
+        """Whether every copy of `layer` into `slot_index` has landed; never blocks."""
+        return self._ticket(layer, slot_index).done()
+
+    def landed_prefix(self, layer: int, slot_index: int, experts) -> int:
+        """How many of `experts`, in order, have landed in `slot_index` before the first that has
+        not; never blocks."""
+        return self._ticket(layer, slot_index).landed_prefix(experts)
+
     def wait(self, layer: int, slot_index: int, experts=None) -> float:
         """Block until `layer`'s experts (all, or just `experts`) have landed in `slot_index`;
         returns the seconds waited."""
-        slot = self.slots[slot_index]
-        if slot.layer != layer or slot.ticket is None:
-            raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        ticket = self._ticket(layer, slot_index)
         # Measured around the whole call: waking up and getting the interpreter back after the
         # copies land is part of what this rank waited, and the trace reports the same span.
         start = now_us()
@@ -119,9 +126,9 @@ class Prefetcher:
         mark = self.wait_timer.begin() if self.wait_timer is not None else None
         try:
             if experts is None:
-                slot.ticket.wait(self.timeout_s)
+                ticket.wait(self.timeout_s)
             else:
-                slot.ticket.wait_experts(experts, self.timeout_s)
+                ticket.wait_experts(experts, self.timeout_s)
             if mark is not None:
                 self.wait_timer.end(mark, layer)
         finally:
@@ -170,6 +177,12 @@ class Prefetcher:
                 pass  # a failed copy was already reported to the compute that waited on it
 
     # -- internals -----------------------------------------------------------------------------
+    def _ticket(self, layer: int, slot_index: int) -> Ticket:
+        slot = self.slots[slot_index]
+        if slot.layer != layer or slot.ticket is None:
+            raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        return slot.ticket
+
     def _issue_locked(self, layer: int, slot_index: int) -> bool:
         """Start (or defer) the copy of `layer` into the slot; False when it is already there."""
         slot = self.slots[slot_index]
