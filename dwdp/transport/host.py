@@ -11,6 +11,11 @@ as on the cuda backend); a copier thread takes one batch at a time and copies al
 released for the whole batch, so the compute thread is not held up by per-slice Python work; the
 views of every slice are resolved once per (plan, slot buffer). While a trace is recorded, slices
 are copied one by one so each gets its own event.
+
+Each batch is claimed once, by a copier or by a compute thread that waits for it: a waiter first
+copies, itself, the batches of its plan no copier has started, in plan order, and sleeps only on
+batches already being copied. On a CPU the waiting thread has nothing else to do, and on a loaded
+machine a woken copier can wait milliseconds for a core.
 """
 from __future__ import annotations
 
@@ -66,6 +71,33 @@ class _HostBatch:
     slices: tuple[CopySlice, ...]
     dsts: list[torch.Tensor]  # [nbytes] views of the slot buffer, one per slice
     srcs: list[torch.Tensor]  # [nbytes] views of the peers' segments, one per slice
+
+
+class _HostTicket(Ticket):
+    """A Ticket whose batches are each copied once, by whichever of a copier and a waiter claims it
+    first (see the module docstring)."""
+
+    def __init__(self, plan: CopyPlan, batches: list[_HostBatch], copy_batch):
+        super().__init__(plan)
+        self._batches = batches
+        self._claimed = [False] * len(batches)
+        self._copy_batch = copy_batch  # (ticket, batch, copier or None) -> None; reports landing or failure
+
+    def _claim(self, index: int) -> bool:
+        with self._cond:
+            if self._claimed[index] or self.error is not None:
+                return False
+            self._claimed[index] = True
+            return True
+
+    def _wait_until(self, ready, timeout: float, what: str) -> float:
+        for index, batch in enumerate(self._batches):
+            with self._cond:
+                if self.error is not None or ready():
+                    break
+            if self._claim(index):
+                self._copy_batch(self, batch, None)
+        return super()._wait_until(ready, timeout, what)
 
 
 class HostTransport(Transport):
@@ -144,27 +176,31 @@ class HostTransport(Transport):
             item = self._queue.get()
             if item is None:
                 return
-            ticket, batch = item
-            if ticket.error is not None:
-                continue
-            recorder = self.recorder
-            try:
-                if recorder is None:
-                    torch._foreach_copy_(batch.dsts, batch.srcs)  # the lock is released for the whole batch
-                else:
-                    self._copy_recorded(worker, ticket, batch, recorder)
-            except BaseException as exc:  # surfaced to the waiter, never lost in a thread
-                ticket._fail(exc)
-                continue
-            ticket._finish_slices(batch.slices)
+            ticket, index = item
+            if ticket._claim(index):
+                self._copy_batch(ticket, ticket._batches[index], worker)
+
+    def _copy_batch(self, ticket: _HostTicket, batch: _HostBatch, worker: int | None) -> None:
+        """Copy one claimed batch and report it to the ticket; a failure reaches the waiter. `worker`:
+        the copier, or None for a waiting compute thread (traced on the lane after the copiers')."""
+        recorder = self.recorder
+        try:
+            if recorder is None:
+                torch._foreach_copy_(batch.dsts, batch.srcs)  # the lock is released for the whole batch
+            else:
+                self._copy_recorded(self.inflight if worker is None else worker, ticket, batch, recorder)
+        except BaseException as exc:  # surfaced to the waiter, never lost in a thread
+            ticket._fail(exc)
+            return
+        ticket._finish_slices(batch.slices)
 
     @staticmethod
-    def _copy_recorded(worker: int, ticket: Ticket, batch: _HostBatch, recorder) -> None:
+    def _copy_recorded(lane: int, ticket: Ticket, batch: _HostBatch, recorder) -> None:
         """Slice by slice, one trace event each (tracing only)."""
         for s, dst, src in zip(batch.slices, batch.dsts, batch.srcs):
             start = now_us()
             dst.copy_(src)
-            recorder.copy_slice(worker, start, now_us(), s.peer, s.nbytes, ticket.plan.layer, ticket.plan.slot,
+            recorder.copy_slice(lane, start, now_us(), s.peer, s.nbytes, ticket.plan.layer, ticket.plan.slot,
                                 s.expert)
 
     def _resolve(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> list[_HostBatch]:
@@ -193,9 +229,9 @@ class HostTransport(Transport):
             raise RuntimeError(f"rank {self.rank}: submit() before open()")
         if slot_buffer.dtype != torch.uint8 or not slot_buffer.is_contiguous():
             raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
-        ticket = Ticket(plan)
-        for batch in self._resolve(plan, slot_buffer):
-            self._queue.put((ticket, batch))
+        ticket = _HostTicket(plan, self._resolve(plan, slot_buffer), self._copy_batch)
+        for index in range(len(ticket._batches)):
+            self._queue.put((ticket, index))
         return ticket
 
     def close(self) -> None:
