@@ -31,9 +31,7 @@ class Ticket:
         self._cond = threading.Condition()
         self._left_total = len(plan.slices)
         self._left_expert = plan.slices_per_expert()
-        self._left_peer: dict[int, int] = {}
-        for s in plan.slices:
-            self._left_peer[s.peer] = self._left_peer.get(s.peer, 0) + 1
+        self._left_peer = plan.slices_per_peer()
         self.error: BaseException | None = None
         self.submitted_ns = time.perf_counter_ns()
         self.finished_ns: int | None = self.submitted_ns if not plan.slices else None
@@ -103,6 +101,8 @@ class Ticket:
     def _wait_until(self, ready, timeout: float, what: str) -> float:
         start = time.perf_counter()
         with self._cond:
+            if self.error is None and ready():
+                return 0.0  # the common case on the hot path: nothing to wait for
             finished = self._cond.wait_for(lambda: self.error is not None or ready(), timeout=timeout)
             self._raise_if_failed()
             if not finished:

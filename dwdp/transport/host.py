@@ -5,12 +5,17 @@ Each rank's source segment is a file in DWDP_SHM_DIR (default /dev/shm) mapped w
 the memory disappears with the last process that maps it, even if the owner crashes later.
 Files left by an owner that died during setup are swept by the next allocation.
 
-A layer's plan is cut into at most `copy_batches` batches where experts complete (`plan.cut_batches`,
-as on the cuda backend); a copier thread takes one batch at a time and copies all its slices in one
-`torch._foreach_copy_` call, the host analogue of cudaMemcpyBatchAsync. The interpreter lock is
-released for the whole batch, so the compute thread is not held up by per-slice Python work; the
-views of every slice are resolved once per (plan, slot buffer). While a trace is recorded, slices
-are copied one by one so each gets its own event.
+A layer's plan is cut where experts complete (`plan.cut_batches`, as on the cuda backend) into at
+most `copy_batches` batches and no more than one per `min_batch_bytes`; a copier thread takes one
+batch at a time and copies all its slices in one `torch._foreach_copy_` call, the host analogue of
+cudaMemcpyBatchAsync: the interpreter lock is released for the whole batch, and the views of every
+slice are resolved once per (plan, slot buffer). While a trace is recorded, slices are copied one
+by one so each gets its own event.
+
+Handing work to a copier is not free on a CPU: waking it costs the compute thread a context switch
+and interpreter-lock hand-offs, hundreds of microseconds on a loaded machine (the woken copier
+preempts the compute thread that still holds the lock). A plan smaller than `min_batch_bytes`
+costs less to copy than that, so `submit` copies it at once on the calling thread.
 
 Each batch is claimed once, by a copier or by a compute thread that waits for it: a waiter first
 copies, itself, the batches of its plan no copier has started, in plan order, and sleeps only on
@@ -34,6 +39,7 @@ from ..tracing import now_us
 from .base import Ticket, Transport
 
 SEGMENT_PREFIX = "dwdp-seg-"
+MIN_BATCH_BYTES = 1 << 20  # about 50-100 us of copying on one core: more than a copier's wake-up costs
 
 
 def _pid_alive(pid: int) -> bool:
@@ -81,6 +87,7 @@ class _HostTicket(Ticket):
         super().__init__(plan)
         self._batches = batches
         self._claimed = [False] * len(batches)
+        self._unclaimed = len(batches)
         self._copy_batch = copy_batch  # (ticket, batch, copier or None) -> None; reports landing or failure
 
     def _claim(self, index: int) -> bool:
@@ -88,30 +95,41 @@ class _HostTicket(Ticket):
             if self._claimed[index] or self.error is not None:
                 return False
             self._claimed[index] = True
+            self._unclaimed -= 1
             return True
 
-    def _wait_until(self, ready, timeout: float, what: str) -> float:
+    def copy_unclaimed(self, ready=lambda: False) -> None:
+        """Copy on this thread, in plan order, the batches no copier has claimed, until `ready()`
+        (checked under the ticket's lock); a failure fails the ticket, as in a copier."""
         for index, batch in enumerate(self._batches):
             with self._cond:
-                if self.error is not None or ready():
-                    break
+                if not self._unclaimed or self.error is not None or ready():
+                    return
             if self._claim(index):
                 self._copy_batch(self, batch, None)
+
+    def _wait_until(self, ready, timeout: float, what: str) -> float:
+        self.copy_unclaimed(ready)
         return super()._wait_until(ready, timeout, what)
 
 
 class HostTransport(Transport):
     """The `host` backend (see the module docstring). inflight: copier threads; copy_batches: most
-    batches (copier tasks) one plan is cut into."""
+    batches (copier tasks) one plan is cut into; min_batch_bytes: fewest bytes worth a copier task
+    (smaller plans are copied inside `submit`)."""
 
     name = "host"
 
-    def __init__(self, rank: int, inflight: int = 2, shm_dir: str | None = None, copy_batches: int = 4):
+    def __init__(self, rank: int, inflight: int = 2, shm_dir: str | None = None, copy_batches: int = 4,
+                 min_batch_bytes: int = MIN_BATCH_BYTES):
         if copy_batches < 1:
             raise ValueError(f"copy_batches={copy_batches} must be >= 1")
+        if min_batch_bytes < 1:
+            raise ValueError(f"min_batch_bytes={min_batch_bytes} must be >= 1")
         self.rank = rank
         self.inflight = inflight
         self.copy_batches = copy_batches
+        self.min_batch_bytes = min_batch_bytes
         self._batches: dict[tuple[int, int], tuple[CopyPlan, list[_HostBatch]]] = {}
         self.shm_dir = Path(shm_dir or envs.shm_dir())
         self._path: Path | None = None
@@ -212,7 +230,8 @@ class HostTransport(Transport):
         if cached is not None and cached[0] is plan:
             return cached[1]
         batches = []
-        for batch in cut_batches(plan, self.copy_batches):
+        max_batches = max(1, min(self.copy_batches, plan.nbytes // self.min_batch_bytes))
+        for batch in cut_batches(plan, max_batches):
             chunk = plan.slices[batch.start : batch.stop]
             batches.append(_HostBatch(
                 slices=chunk,
@@ -230,6 +249,9 @@ class HostTransport(Transport):
         if slot_buffer.dtype != torch.uint8 or not slot_buffer.is_contiguous():
             raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
         ticket = _HostTicket(plan, self._resolve(plan, slot_buffer), self._copy_batch)
+        if plan.nbytes < self.min_batch_bytes:
+            ticket.copy_unclaimed()  # here, on this thread (see the module docstring)
+            return ticket
         for index in range(len(ticket._batches)):
             self._queue.put((ticket, index))
         return ticket
