@@ -48,6 +48,7 @@ DEFAULT_HIDDENS = (64, 512)
 MODEL = dict(num_experts=16, top_k=4, num_layers=5, vocab=256)
 TARGET_EFFICIENCY = 0.95  # where copies cost under COPY_SHARE_FREE of compute
 COPY_SHARE_FREE = 0.05
+MAX_REPEATS = 200
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -62,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    "ceil(T / isl) requests (default 128)")
     p.add_argument("--family", choices=FAMILIES, default="deepseek_v3")
     p.add_argument("--num-layers", type=int, default=MODEL["num_layers"], help="decoder layers (default 5)")
-    p.add_argument("--repeats", type=int, default=5, help="timed repeats per point and variant (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="fewest timed repeats per point and variant (default 5)")
+    p.add_argument("--min-seconds", type=float, default=2.0, help="repeat until each rank has timed this many "
+                   f"seconds of DWDP forwards per point, at most {MAX_REPEATS} repeats (default 2)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repeats per point first (default 1)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--slice-bytes", type=int, default=1 << 20, help="DWDP copy slice size (default 1 MiB)")
@@ -78,6 +81,7 @@ def options_from_args(args: argparse.Namespace) -> dict:
     """Resolved, picklable settings of one sweep; ValueError names a bad option."""
     opts = dict(ranks=args.ranks, tokens=tuple(args.tokens), hiddens=tuple(args.hiddens), isl=args.isl,
                 family=args.family, model=dict(MODEL, num_layers=args.num_layers), repeats=args.repeats,
+                min_seconds=args.min_seconds,
                 warmup=args.warmup, threads=args.threads, slice_bytes=args.slice_bytes, device=args.device,
                 dtype=args.dtype, seed=args.seed)
     for name in ("ranks", "isl", "repeats", "threads", "slice_bytes"):
@@ -140,9 +144,17 @@ def _copy_probe(dwdp: DWDPModel):
 
 
 def _measure_point(group, models: dict, copy, inputs: dict, device: torch.device, opts: dict) -> dict:
-    """Seconds of each variant per timed repeat, interleaved and rotated, a barrier before each piece."""
+    """Seconds of each variant per timed repeat, interleaved and rotated, a barrier before each piece.
+
+    At least `repeats` timed repeats, more until every rank has timed `min_seconds` of DWDP forwards
+    (small forwards are noisy), at most MAX_REPEATS; the ranks agree on when to stop."""
     samples = {v: [] for v in VARIANTS}
-    for repeat in range(opts["warmup"] + opts["repeats"]):
+    for repeat in range(opts["warmup"] + MAX_REPEATS):
+        timed = repeat - opts["warmup"]
+        if timed >= opts["repeats"]:
+            timed_s = group.all_gather_object(sum(samples["dwdp"]))
+            if min(timed_s) >= opts["min_seconds"]:
+                break
         shift = repeat % len(VARIANTS)
         for variant in VARIANTS[shift:] + VARIANTS[:shift]:
             group.barrier()
@@ -177,10 +189,11 @@ def _rank_main(rank: int, opts: dict) -> list[dict]:
                                                                          seed).items()}
                     waited_before = dwdp.stats.wait_s
                     samples = _measure_point(group, models, copy, inputs, device, opts)
-                    dwdp_forwards = 2 * (opts["warmup"] + opts["repeats"])  # each timed one follows an untimed one
+                    dwdp_forwards = 2 * (opts["warmup"] + len(samples["dwdp"]))  # a timed one follows an untimed one
                     points.append(dict(rank=rank, hidden=hidden, tokens=tokens, requests=len(lengths),
                                        num_moe_layers=num_moe_layers, expert_bytes=expert_bytes,
                                        copy_bytes_per_layer=copy_bytes, samples_s=samples,
+                                       repeats=len(samples["dwdp"]),
                                        wait_s_per_forward=(dwdp.stats.wait_s - waited_before) / dwdp_forwards))
         finally:
             group.barrier()  # peers keep reading this rank's segment until every rank is done
@@ -214,6 +227,7 @@ def summarize(opts: dict, rank_points: list[list[dict]]) -> list[dict]:
             copy_free = mean["copy_share"] < COPY_SHARE_FREE
             rows.append(dict(
                 hidden=hidden, tokens=tokens, requests=first["requests"], num_moe_layers=first["num_moe_layers"],
+                repeats=first["repeats"],
                 expert_mib=first["expert_bytes"] / 2**20, copy_mib_per_layer=first["copy_bytes_per_layer"] / 2**20,
                 **mean, per_rank=derived, efficiency_min=min(d["efficiency"] for d in derived),
                 copy_nearly_free=copy_free,
@@ -224,13 +238,14 @@ def summarize(opts: dict, rank_points: list[list[dict]]) -> list[dict]:
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("hidden", "expert MiB", "tokens", "replicated ms", "copy ms/layer", "copy/compute %", "dwdp ms",
+    header = ("hidden", "expert MiB", "tokens", "repeats", "replicated ms", "copy ms/layer", "copy/compute %", "dwdp ms",
               "wait ms", "efficiency", "rank min", "serial bound", "target", "met")
     lines = []
     for r in rows:
         target = f">={TARGET_EFFICIENCY:.2f}" if r["copy_nearly_free"] else ">=bound"
         met = r["meets_free_target"] if r["copy_nearly_free"] else r["meets_serial_bound"]
-        lines.append((str(r["hidden"]), f"{r['expert_mib']:.3f}", str(r["tokens"]), f"{r['replicated_ms']:.2f}",
+        lines.append((str(r["hidden"]), f"{r['expert_mib']:.3f}", str(r["tokens"]), str(r["repeats"]),
+                      f"{r['replicated_ms']:.2f}",
                       f"{r['copy_layer_ms']:.3f}", f"{100 * r['copy_share']:.1f}", f"{r['dwdp_ms']:.2f}", f"{r['dwdp_wait_ms']:.2f}",
                       f"{r['efficiency']:.3f}", f"{r['efficiency_min']:.3f}", f"{r['serial_bound']:.3f}", target,
                       "yes" if met else "NO"))

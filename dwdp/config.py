@@ -33,12 +33,14 @@ class DWDPConfig:
     backend: transport backend, "auto" picks "cuda" for CUDA models and "host" otherwise.
     wait_timeout_s: longest a rank waits for one layer's prefetch before raising.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
-    experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
-        GEMM, local experts first), or "auto": triton for CUDA models, reference otherwise.
+    experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
+        two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first), or
+        "auto": triton for CUDA models, reference otherwise.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
         batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
-    copy_batches: most batches one layer's copy is cut into (cuda); each ends where experts complete,
-        and its event tells compute that they have landed.
+    copy_batches: most batches one layer's copy is cut into; each ends where experts complete. cuda:
+        one copy call each, whose event tells compute that they have landed; host: one copier task
+        each (and none under 1 MiB: dwdp.transport.host).
     cuda_mapping: how the cuda backend maps peers' segments: "ipc" (CUDA IPC, one node),
         "symmetric_memory" (torch.distributed._symmetric_memory, multi-node NVLink) or "auto":
         ipc when every rank of the group is on this host.
