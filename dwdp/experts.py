@@ -59,14 +59,15 @@ class LayerRuntime:
     epilogue: object | None = None   # dwdp.kernels.Epilogue of the Triton path
 
 
-def _run_experts(runtime: LayerRuntime, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int,
-                 hi: int, out: torch.Tensor) -> None:
-    """out[rows of experts lo..hi) = each expert's MLP, for table positions lo..hi."""
+def _experts_rows(runtime: LayerRuntime, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int,
+                  hi: int) -> torch.Tensor | None:
+    """[rows of table positions lo..hi), H]: each expert's MLP on its rows; None when they have none."""
     r0, r1 = offsets[lo], offsets[hi]
-    if r1 > r0:
-        counts = [b - a for a, b in zip(offsets[lo:hi], offsets[lo + 1 : hi + 1])]
-        views = {name: per_expert[lo:hi] for name, per_expert in tables.items()}
-        out[r0:r1] = expert_mlp(runtime.math, x_sorted[r0:r1], counts, views)
+    if r1 == r0:
+        return None
+    counts = [b - a for a, b in zip(offsets[lo:hi], offsets[lo + 1 : hi + 1])]
+    views = {name: per_expert[lo:hi] for name, per_expert in tables.items()}
+    return expert_mlp(runtime.math, x_sorted[r0:r1], counts, views)
 
 
 def _ready_groups(runtime: LayerRuntime, slot: int, offsets: list[int]) -> Iterator[tuple[int, int]]:
@@ -148,13 +149,18 @@ def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, to
         if math.weights_on_input:
             scale = top_k_weights.reshape(-1)[perm].unsqueeze(-1)            # [S, 1]
             x_sorted = x_sorted * scale.to(x_sorted.dtype)
-        out_sorted = hidden_states.new_empty(x_sorted.shape)                 # [S, H]
         tables = runtime.tables[slot]
+        parts = []                                                           # consecutive row ranges
         for lo, hi in _ready_groups(runtime, slot, offsets):
-            _run_experts(runtime, x_sorted, offsets, tables, lo, hi, out_sorted)
-        if num_positions > num_experts:
-            identity = slice(offsets[num_experts], offsets[-1])
-            out_sorted[identity] = x_sorted[identity]                        # identity experts: y = x
+            rows = _experts_rows(runtime, x_sorted, offsets, tables, lo, hi)
+            if rows is not None:
+                parts.append(rows)
+        if offsets[-1] > offsets[num_experts]:
+            parts.append(x_sorted[offsets[num_experts]:])                    # identity experts: y = x
+        if len(parts) == 1:  # one call (the copies had landed): its result as is, no [S, H] buffer to fill
+            out_sorted = parts[0]                                            # [S, H]
+        else:
+            out_sorted = torch.cat(parts) if parts else x_sorted             # [S, H] (S = 0 without parts)
     finally:
         prefetcher.release(slot)
     weights = torch.ones_like(top_k_weights) if math.weights_on_input else top_k_weights
