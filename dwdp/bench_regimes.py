@@ -9,7 +9,8 @@ variant alike):
   slot, with no compute beside it: the copy-only time of one layer;
 - dwdp: one forward of DWDPModel, whose copies overlap its compute.
 Each timed forward follows an untimed one of the same model, so a DWDP forward starts as it does in
-steady serving: layer 0's copy was issued at the previous forward's last MoE layer.
+steady serving: layer 0's copy was issued at the previous forward's last MoE layer. Every rank has
+glibc keep freed memory (`dwdp.timing.keep_freed_memory`), so no variant pages its tensors in anew.
 
 Derived, per rank and point: efficiency = replicated / dwdp (median of the repeat-by-repeat ratios),
 serial bound = replicated / (replicated + M x copy) with M MoE layers (copy first, then compute, no
@@ -38,7 +39,7 @@ from .baselines import ReplicatedModel
 from .config import DWDPConfig
 from .group import init_group, launch_local
 from .model import DWDPModel
-from .timing import device_tag, load_average_1min, machine, time_fn
+from .timing import device_tag, keep_freed_memory, load_average_1min, machine, time_fn
 from .tiny import FAMILIES, build_tiny_model
 from .workload import Forward, forward_inputs
 
@@ -169,6 +170,7 @@ def _measure_point(group, models: dict, copy, inputs: dict, device: torch.device
 
 
 def _rank_main(rank: int, opts: dict) -> list[dict]:
+    allocator = keep_freed_memory()  # the same for every variant; see its docstring
     torch.set_num_threads(opts["threads"])
     group = init_group()
     device = _device(rank, opts)
@@ -193,7 +195,7 @@ def _rank_main(rank: int, opts: dict) -> list[dict]:
                     points.append(dict(rank=rank, hidden=hidden, tokens=tokens, requests=len(lengths),
                                        num_moe_layers=num_moe_layers, expert_bytes=expert_bytes,
                                        copy_bytes_per_layer=copy_bytes, samples_s=samples,
-                                       repeats=len(samples["dwdp"]),
+                                       repeats=len(samples["dwdp"]), allocator=allocator,
                                        wait_s_per_forward=(dwdp.stats.wait_s - waited_before) / dwdp_forwards))
         finally:
             group.barrier()  # peers keep reading this rank's segment until every rank is done
