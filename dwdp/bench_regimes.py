@@ -7,6 +7,8 @@ variant alike):
 - replicated: one forward of ReplicatedModel (every expert local, no copies): the compute-only step;
 - copy: one MoE layer's remote experts pulled through the DWDP model's own transport into a spare
   slot, with no compute beside it: the copy-only time of one layer;
+- serial: one forward of ReplicatedModel that pulls each MoE layer's remote experts through the same
+  transport, and waits for them, right before the layer: copy-then-compute, measured;
 - dwdp: one forward of DWDPModel, whose copies overlap its compute.
 Each timed forward follows an untimed one of the same model, so a DWDP forward starts as it does in
 steady serving: layer 0's copy was issued at the previous forward's last MoE layer. Every rank has
@@ -14,7 +16,9 @@ glibc keep freed memory (`dwdp.timing.keep_freed_memory`), so no variant pages i
 
 Derived, per rank and point: efficiency = replicated / dwdp (median of the repeat-by-repeat ratios),
 serial bound = replicated / (replicated + M x copy) with M MoE layers (copy first, then compute, no
-overlap), copy share = M x copy / replicated. Both models run the experts through the same reference
+overlap, each costing what it costs alone), copy share = M x copy / replicated, and the measured
+serial efficiency replicated / serial and gain over serial = serial / dwdp (medians of ratios too):
+the copy-then-compute that the bound idealises, with what copies do to the compute beside them. Both models run the experts through the same reference
 grouped path, so they differ only in where experts live and in the copies. The table (means over
 ranks) is printed last; JSON and a plot (efficiency and serial bound against tokens per forward) go
 to <out-dir>/regimes_<device>.json / .png.
@@ -26,6 +30,7 @@ submit + synchronize.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -43,7 +48,7 @@ from .timing import device_tag, keep_freed_memory, load_average_1min, machine, t
 from .tiny import FAMILIES, build_tiny_model
 from .workload import Forward, forward_inputs
 
-VARIANTS = ("replicated", "copy", "dwdp")
+VARIANTS = ("replicated", "copy", "serial", "dwdp")
 DEFAULT_TOKENS = (8, 32, 128, 512, 2048)
 DEFAULT_HIDDENS = (64, 512)
 MODEL = dict(num_experts=16, top_k=4, num_layers=5, vocab=256)
@@ -126,14 +131,14 @@ def _models(hidden: int, group, device: torch.device, opts: dict):
     return ReplicatedModel(build()), DWDPModel(build(), config, group)
 
 
-def _copy_probe(dwdp: DWDPModel):
-    """A callable that pulls MoE layer 0's remote experts into a spare slot and waits for them.
+def _copy_probe(dwdp: DWDPModel, layer: int = 0):
+    """A callable that pulls MoE layer `layer`'s remote experts into a spare slot and waits for them.
 
     The plan is labelled with a slot index the prefetcher never uses, so the cuda backend's
     per-slot events of the running model are left alone."""
     prefetcher = dwdp.prefetcher
     spare_slot = prefetcher.num_buffers
-    plan = prefetcher.plans.get(0, spare_slot)
+    plan = prefetcher.plans.get(layer, spare_slot)
     buffer = dwdp.transport.alloc_slot(prefetcher.slots[0].buffer.numel())
     timeout = prefetcher.timeout_s
 
@@ -144,7 +149,24 @@ def _copy_probe(dwdp: DWDPModel):
     return pull, plan.nbytes
 
 
-def _measure_point(group, models: dict, copy, inputs: dict, device: torch.device, opts: dict) -> dict:
+def _copy_then_compute(replicated: ReplicatedModel, pulls: list):
+    """A forward of `replicated` that first runs pulls[i] before MoE layer i: calls it with the hooks
+    in place (set up and removed outside the timed region)."""
+
+    @contextlib.contextmanager
+    def hooked():
+        handles = [module.register_forward_pre_hook(lambda *_, pull=pull: pull())
+                   for module, pull in zip(replicated.experts_modules, pulls, strict=True)]
+        try:
+            yield replicated
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    return hooked
+
+
+def _measure_point(group, models: dict, copy, serial, inputs: dict, device: torch.device, opts: dict) -> dict:
     """Seconds of each variant per timed repeat, interleaved and rotated, a barrier before each piece.
 
     At least `repeats` timed repeats, more until every rank has timed `min_seconds` of DWDP forwards
@@ -161,6 +183,9 @@ def _measure_point(group, models: dict, copy, inputs: dict, device: torch.device
             group.barrier()
             if variant == "copy":
                 seconds = time_fn(copy, warmup=0, repeats=1).median_s  # host clock: the copy stream's work
+            elif variant == "serial":
+                with serial() as model:
+                    seconds = time_fn(lambda: model(**inputs), warmup=1, repeats=1, device=device).median_s
             else:
                 model = models[variant]
                 seconds = time_fn(lambda: model(**inputs), warmup=1, repeats=1, device=device).median_s
@@ -180,6 +205,7 @@ def _rank_main(rank: int, opts: dict) -> list[dict]:
         try:
             copy, copy_bytes = _copy_probe(dwdp)
             num_moe_layers = len(dwdp.experts_modules)
+            serial = _copy_then_compute(replicated, [_copy_probe(dwdp, layer)[0] for layer in range(num_moe_layers)])
             spec = dwdp.experts_layers[0].spec
             expert_bytes = sum(t.nbytes for t in spec.tensors)
             models = {"replicated": replicated, "dwdp": dwdp}
@@ -190,7 +216,7 @@ def _rank_main(rank: int, opts: dict) -> list[dict]:
                     inputs = {k: v.to(device) for k, v in forward_inputs(Forward(lengths), opts["model"]["vocab"],
                                                                          seed).items()}
                     waited_before = dwdp.stats.wait_s
-                    samples = _measure_point(group, models, copy, inputs, device, opts)
+                    samples = _measure_point(group, models, copy, serial, inputs, device, opts)
                     dwdp_forwards = 2 * (opts["warmup"] + len(samples["dwdp"]))  # a timed one follows an untimed one
                     points.append(dict(rank=rank, hidden=hidden, tokens=tokens, requests=len(lengths),
                                        num_moe_layers=num_moe_layers, expert_bytes=expert_bytes,
@@ -207,13 +233,17 @@ def _rank_main(rank: int, opts: dict) -> list[dict]:
 def derive(point: dict) -> dict:
     """One rank's figures at one point from its samples (see the module docstring)."""
     s = point["samples_s"]
-    replicated, dwdp, copy = (float(np.median(s[v])) for v in ("replicated", "dwdp", "copy"))
+    replicated, serial, dwdp, copy = (float(np.median(s[v])) for v in ("replicated", "serial", "dwdp", "copy"))
     copy_step = point["num_moe_layers"] * copy
-    return dict(replicated_ms=1e3 * replicated, dwdp_ms=1e3 * dwdp, copy_layer_ms=1e3 * copy,
+
+    def ratio(a: str, b: str) -> float:
+        return float(np.median([x / y for x, y in zip(s[a], s[b])]))
+
+    return dict(replicated_ms=1e3 * replicated, serial_ms=1e3 * serial, dwdp_ms=1e3 * dwdp, copy_layer_ms=1e3 * copy,
                 dwdp_wait_ms=1e3 * point["wait_s_per_forward"],
                 copy_step_ms=1e3 * copy_step, copy_share=copy_step / replicated,
-                efficiency=float(np.median([r / d for r, d in zip(s["replicated"], s["dwdp"])])),
-                serial_bound=replicated / (replicated + copy_step))
+                efficiency=ratio("replicated", "dwdp"), serial_bound=replicated / (replicated + copy_step),
+                serial_efficiency=ratio("replicated", "serial"), gain_over_serial=ratio("serial", "dwdp"))
 
 
 def summarize(opts: dict, rank_points: list[list[dict]]) -> list[dict]:
@@ -235,22 +265,24 @@ def summarize(opts: dict, rank_points: list[list[dict]]) -> list[dict]:
                 copy_nearly_free=copy_free,
                 meets_free_target=(mean["efficiency"] >= TARGET_EFFICIENCY) if copy_free else None,
                 meets_serial_bound=mean["efficiency"] >= mean["serial_bound"],
+                not_slower_than_serial=mean["gain_over_serial"] >= 1.0,
             ))
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    header = ("hidden", "expert MiB", "tokens", "repeats", "replicated ms", "copy ms/layer", "copy/compute %", "dwdp ms",
-              "wait ms", "efficiency", "rank min", "serial bound", "target", "met")
+    header = ("hidden", "expert MiB", "tokens", "repeats", "replicated ms", "copy ms/layer", "copy/compute %",
+              "serial ms", "dwdp ms", "wait ms", "efficiency", "rank min", "serial bound", "serial eff", "dwdp gain",
+              "target", "met")
     lines = []
     for r in rows:
         target = f">={TARGET_EFFICIENCY:.2f}" if r["copy_nearly_free"] else ">=bound"
         met = r["meets_free_target"] if r["copy_nearly_free"] else r["meets_serial_bound"]
         lines.append((str(r["hidden"]), f"{r['expert_mib']:.3f}", str(r["tokens"]), str(r["repeats"]),
-                      f"{r['replicated_ms']:.2f}",
-                      f"{r['copy_layer_ms']:.3f}", f"{100 * r['copy_share']:.1f}", f"{r['dwdp_ms']:.2f}", f"{r['dwdp_wait_ms']:.2f}",
-                      f"{r['efficiency']:.3f}", f"{r['efficiency_min']:.3f}", f"{r['serial_bound']:.3f}", target,
-                      "yes" if met else "NO"))
+                      f"{r['replicated_ms']:.2f}", f"{r['copy_layer_ms']:.3f}", f"{100 * r['copy_share']:.1f}",
+                      f"{r['serial_ms']:.2f}", f"{r['dwdp_ms']:.2f}", f"{r['dwdp_wait_ms']:.2f}",
+                      f"{r['efficiency']:.3f}", f"{r['efficiency_min']:.3f}", f"{r['serial_bound']:.3f}",
+                      f"{r['serial_efficiency']:.3f}", f"{r['gain_over_serial']:.3f}", target, "yes" if met else "NO"))
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*x) for x in lines])
@@ -271,6 +303,8 @@ def plot(rows: list[dict], opts: dict, title: str, path: Path) -> None:
                 label=f"efficiency, {label}")
         ax.plot([r["tokens"] for r in mine], [r["serial_bound"] for r in mine], "s--", color=color, alpha=0.7,
                 label=f"serial bound, hidden {hidden}")
+        ax.plot([r["tokens"] for r in mine], [r["serial_efficiency"] for r in mine], "x:", color=color, alpha=0.7,
+                label=f"copy-then-compute measured, hidden {hidden}")
     ax.axhline(TARGET_EFFICIENCY, color="grey", lw=0.8, ls=":")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
@@ -320,9 +354,11 @@ def run_regimes(args: argparse.Namespace) -> int:
         worst = min(free, key=lambda r: r["efficiency"])
         print(f"copies under {100 * COPY_SHARE_FREE:.0f}% of compute at {len(free)} points: lowest efficiency "
               f"{worst['efficiency']:.3f} (hidden {worst['hidden']}, {worst['tokens']} tokens)")
-    below = [r for r in rows if not r["meets_serial_bound"]]
-    print(f"efficiency below the serial bound at {len(below)} of {len(rows)} points"
-          + ("" if not below else ": " + ", ".join(f"hidden {r['hidden']} / {r['tokens']} tokens" for r in below)))
+    for key, what in (("meets_serial_bound", "efficiency below the serial bound"),
+                      ("not_slower_than_serial", "DWDP slower than copy-then-compute measured")):
+        below = [r for r in rows if not r[key]]
+        print(f"{what} at {len(below)} of {len(rows)} points"
+              + ("" if not below else ": " + ", ".join(f"hidden {r['hidden']} / {r['tokens']} tokens" for r in below)))
     print(format_table(rows))
     return 0
 

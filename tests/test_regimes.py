@@ -42,16 +42,19 @@ def test_regimes_figures_follow_from_the_per_rank_samples(tmp_path, capsys):
         assert row["copy_mib_per_layer"] * 2**20 == PULLED_PER_LAYER, row["copy_mib_per_layer"]
         for point, derived in zip(sorted(points, key=lambda p: p["rank"]), row["per_rank"]):
             s = point["samples_s"]
-            assert [len(s[v]) for v in ("replicated", "copy", "dwdp")] == [3, 3, 3], s
+            assert [len(s[v]) for v in ("replicated", "copy", "serial", "dwdp")] == [3, 3, 3, 3], s
             replicated, dwdp, copy = (statistics.median(s[v]) for v in ("replicated", "dwdp", "copy"))
             efficiency = statistics.median([r / d for r, d in zip(s["replicated"], s["dwdp"])])
+            gain = statistics.median([c / d for c, d in zip(s["serial"], s["dwdp"])])
             bound = replicated / (replicated + MOE_LAYERS * copy)
             assert derived["efficiency"] == pytest.approx(efficiency, rel=REL), (derived, efficiency)
             assert derived["serial_bound"] == pytest.approx(bound, rel=REL), (derived, bound)
             assert derived["copy_share"] == pytest.approx(MOE_LAYERS * copy / replicated, rel=REL), derived
             assert derived["dwdp_ms"] == pytest.approx(1e3 * dwdp, rel=REL), derived
+            assert derived["gain_over_serial"] == pytest.approx(gain, rel=REL), (derived, gain)
         mean = statistics.mean(d["efficiency"] for d in row["per_rank"])
         assert row["efficiency"] == pytest.approx(mean, rel=REL), row
         assert row["meets_serial_bound"] == (row["efficiency"] >= row["serial_bound"]), row
+        assert row["not_slower_than_serial"] == (row["gain_over_serial"] >= 1.0), row
         if row["copy_nearly_free"]:
             assert row["meets_free_target"] == (row["efficiency"] >= 0.95), row
