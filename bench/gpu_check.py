@@ -89,9 +89,9 @@ def _versions() -> dict:
 
     info = cuda_api.probe()
     try:
-        import nvtx  # noqa: F401
+        import nvtx
 
-        nvtx_source = "nvtx"
+        nvtx_source = nvtx.__name__
     except ImportError:
         nvtx_source = "torch.cuda.nvtx (nvtx not installed)"
     props = torch.cuda.get_device_properties(0)

@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench_compare import add_arguments as add_compare_arguments
 
     add_compare_arguments(bench_sub.add_parser("compare", help="DWDP vs DEP vs replicated on one imbalanced workload"))
+    from .bench_regimes import add_arguments as add_regimes_arguments
+
+    add_regimes_arguments(bench_sub.add_parser("regimes", help="DWDP against replicated and copy-then-compute, "
+                                               "from small forwards to large ones, two expert sizes"))
     return parser
 
 
@@ -161,6 +165,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_compare import run_compare
 
         return run_compare(args)
+    if args.command == "bench" and args.bench == "regimes":
+        from .bench_regimes import run_regimes
+
+        return run_regimes(args)
     raise AssertionError(args.command)
 
 

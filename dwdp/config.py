@@ -38,13 +38,15 @@ class DWDPConfig:
         peer's liveness record (a lost peer is planned around, the copy retried elsewhere); a peer
         whose heartbeat is older than this is reported stalled.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
-    experts_kernel: "reference" (plain PyTorch, per expert), "triton" (fused multi-buffer grouped
-        GEMM, local experts first), "triton_fp8" (triton with fp8 x fp8 dots: fp8 experts only, tokens
-        quantized per row and weight block of K), or "auto": triton for CUDA models, reference otherwise.
+    experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
+        two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first),
+        "triton_fp8" (triton with fp8 x fp8 dots: fp8 experts only, tokens quantized per row and
+        weight block of K), or "auto": triton for CUDA models, reference otherwise.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
         batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
-    copy_batches: most batches one layer's copy is cut into (cuda); each ends where experts complete,
-        and its event tells compute that they have landed.
+    copy_batches: most batches one layer's copy is cut into; each ends where experts complete. cuda:
+        one copy call each, whose event tells compute that they have landed; host: one copier task
+        each (and none under 1 MiB: dwdp.transport.host).
     cuda_mapping: how the cuda backend maps peers' segments: "ipc" (CUDA IPC, one node),
         "symmetric_memory" (torch.distributed._symmetric_memory, multi-node NVLink) or "auto":
         ipc when every rank of the group is on this host.

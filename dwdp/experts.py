@@ -4,14 +4,21 @@ Legend: T = tokens, k = experts per token, S = T * k token-expert pairs, H = hid
 intermediate size, E = experts, Z = identity experts, L = local experts.
 
 Experts are addressed through a per-layer weight table in "table order": the L local experts
-first, then the remote experts slot-buffer by slot-buffer. The table holds, for each named tensor of
-an expert (weights, biases, ...), one view per expert wherever it lives. Rows are sorted by table
-position, so the local experts' rows come first and are computed before the prefetch of this layer
-is waited on; the remote rows follow. Each expert's tensors are read where they live, never
-concatenated. Identity experts (LongCat-Flash) sit after the real ones and return their input.
+first, then the remote experts in the order their copies complete. The table holds, for each named
+tensor of an expert (weights, biases, ...), one view per expert wherever it lives. Rows are sorted by
+table position, so the local experts' rows come first; each expert's tensors are read where they
+live, never concatenated. Identity experts (LongCat-Flash) sit after the real ones and return their
+input.
+
+Experts run in groups of consecutive table positions, at most three calls per layer whatever the
+number of experts (`_ready_groups`): one call for all of them when the layer's copies have already
+landed; otherwise the local experts first (before any wait on this layer's copies), then the
+remote experts that have landed by then, then the rest once they land.
 """
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,14 +62,44 @@ class LayerRuntime:
     epilogue: object | None = None   # dwdp.kernels.Epilogue of the Triton path
 
 
-def _run_experts(runtime: LayerRuntime, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int,
-                 hi: int, out: torch.Tensor) -> None:
-    """out[rows of experts lo..hi) = each expert's MLP, for table positions lo..hi."""
+def _experts_rows(runtime: LayerRuntime, x_sorted: torch.Tensor, offsets: list[int], tables: LayerTables, lo: int,
+                  hi: int) -> torch.Tensor | None:
+    """[rows of table positions lo..hi), H]: each expert's MLP on its rows; None when they have none."""
     r0, r1 = offsets[lo], offsets[hi]
-    if r1 > r0:
-        counts = [b - a for a, b in zip(offsets[lo:hi], offsets[lo + 1 : hi + 1])]
-        views = {name: per_expert[lo:hi] for name, per_expert in tables.items()}
-        out[r0:r1] = expert_mlp(runtime.math, x_sorted[r0:r1], counts, views)
+    if r1 == r0:
+        return None
+    counts = [b - a for a, b in zip(offsets[lo:hi], offsets[lo + 1 : hi + 1])]
+    views = {name: per_expert[lo:hi] for name, per_expert in tables.items()}
+    return expert_mlp(runtime.math, x_sorted[r0:r1], counts, views)
+
+
+def _ready_groups(runtime: LayerRuntime, slot: int, offsets: list[int]) -> Iterator[tuple[int, int]]:
+    """Table-position ranges [lo, hi) of real experts whose weights are ready, in compute order, after
+    the waits they need; at most three, and the slot's copies have all landed after the last one.
+
+    - every copy already landed: one range for all experts (one call, like a replicated layer);
+    - otherwise the local experts first, with no wait: they never move;
+    - then the remote experts with rows that have landed by then (a prefix in arrival order);
+    - then the rest, once every copy has landed.
+    """
+    prefetcher, layer = runtime.prefetcher, runtime.layer
+    num_local, num_experts = runtime.num_local, len(runtime.table_order)
+    if prefetcher.landed(layer, slot):
+        prefetcher.wait(layer, slot)  # returns at once; counted as a zero wait (on CUDA: a stream wait)
+        yield 0, num_experts
+        return
+    yield 0, num_local
+    pending = [pos for pos in range(num_local, num_experts) if offsets[pos + 1] > offsets[pos]]
+    experts = [runtime.table_order[pos] for pos in pending]
+    num_landed = prefetcher.landed_prefix(layer, slot, experts) if pending else 0
+    split = pending[num_landed] if num_landed < len(pending) else num_experts
+    if num_landed:
+        prefetcher.wait(layer, slot, experts[:num_landed])  # returns at once
+        yield num_local, split
+    # The slot may be refilled only after every copy into it has landed.
+    prefetcher.wait(layer, slot)
+    if split < num_experts:
+        yield split, num_experts
 
 
 def dwdp_experts_forward(
@@ -111,24 +148,23 @@ def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, to
         table_pos = runtime.position[top_k_index.reshape(-1)]                # [S]
         sorted_pos, perm = torch.sort(table_pos, stable=True)                # [S]
         counts = torch.bincount(sorted_pos, minlength=num_positions)         # [E + Z]
-        offsets = [0] + torch.cumsum(counts, 0).tolist()                     # E + Z + 1 row offsets
+        offsets = list(itertools.accumulate(counts.tolist(), initial=0))     # E + Z + 1 row offsets
         x_sorted = hidden_states[perm // top_k]                              # [S, H]
         if math.weights_on_input:
             scale = top_k_weights.reshape(-1)[perm].unsqueeze(-1)            # [S, 1]
             x_sorted = x_sorted * scale.to(x_sorted.dtype)
-        out_sorted = hidden_states.new_empty(x_sorted.shape)                 # [S, H]
         tables = runtime.tables[slot]
-        # Local experts never move: compute them while remote copies are still landing.
-        _run_experts(runtime, x_sorted, offsets, tables, 0, runtime.num_local, out_sorted)
-        # Then each remote expert as soon as its own slices have arrived.
-        for pos in range(runtime.num_local, num_experts):
-            if offsets[pos + 1] > offsets[pos]:
-                prefetcher.wait(runtime.layer, slot, (runtime.table_order[pos],))
-                _run_experts(runtime, x_sorted, offsets, tables, pos, pos + 1, out_sorted)
-        identity = slice(offsets[num_experts], offsets[-1])
-        out_sorted[identity] = x_sorted[identity]                            # identity experts: y = x
-        # The slot may be refilled only after every copy into it has landed.
-        prefetcher.wait(runtime.layer, slot)
+        parts = []                                                           # consecutive row ranges
+        for lo, hi in _ready_groups(runtime, slot, offsets):
+            rows = _experts_rows(runtime, x_sorted, offsets, tables, lo, hi)
+            if rows is not None:
+                parts.append(rows)
+        if offsets[-1] > offsets[num_experts]:
+            parts.append(x_sorted[offsets[num_experts]:])                    # identity experts: y = x
+        if len(parts) == 1:  # one call (the copies had landed): its result as is, no [S, H] buffer to fill
+            out_sorted = parts[0]                                            # [S, H]
+        else:
+            out_sorted = torch.cat(parts) if parts else x_sorted             # [S, H] (S = 0 without parts)
     finally:
         prefetcher.release(slot)
     weights = torch.ones_like(top_k_weights) if math.weights_on_input else top_k_weights
@@ -143,14 +179,21 @@ def _fused_experts(runtime: LayerRuntime, slot: int, hidden_states, top_k_index,
     for this slot's copies, then the remote experts' launch."""
     from .kernels import moe_experts
 
+    prefetcher, layer = runtime.prefetcher, runtime.layer
     tables = runtime.kernel_tables[slot]
+    waited = []
 
     def wait_for_remote() -> None:
-        runtime.prefetcher.wait(runtime.layer, slot)
+        prefetcher.wait(layer, slot)
+        waited.append(True)
 
+    if prefetcher.landed(layer, slot):
+        wait_for_remote()  # returns at once: one launch pair over every expert, no local-first split
     out = moe_experts(hidden_states.contiguous(), runtime.position[top_k_index], top_k_weights, tables.first,
                       tables.down, first_bias=tables.first_bias, down_bias=tables.down_bias, epilogue=runtime.epilogue,
-                      split_at=runtime.num_local, on_local_done=wait_for_remote, first_scales=tables.first_scales,
-                      down_scales=tables.down_scales, fp8_activations=tables.fp8_activations)
-    runtime.prefetcher.wait(runtime.layer, slot)  # no-op when the kernel already waited
+                      split_at=None if waited else runtime.num_local, on_local_done=None if waited else wait_for_remote,
+                      first_scales=tables.first_scales, down_scales=tables.down_scales,
+                      fp8_activations=tables.fp8_activations)
+    if not waited:  # no rows at all: the kernel returned before its remote part
+        wait_for_remote()
     return out

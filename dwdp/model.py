@@ -28,7 +28,7 @@ from .failover import Failover, FailoverStatus
 from .group import DWDPGroup, init_group
 from .liveness import close_records, exchange_records
 from .placement import build_placement
-from .plan import PlanCache, SegmentLayout, slot_layout
+from .plan import PlanCache, SegmentLayout, arrival_order, slot_layout
 from .prefetch import Prefetcher
 from .nvtx_ranges import NvtxRanges
 from .tracing import TraceRecorder, attach_nvtx_hooks, attach_phase_hooks
@@ -96,15 +96,18 @@ def _bias_report(spec: ExpertsSpec) -> str | None:
 
 def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order: list[int]) -> LayerTables:
     """Each tensor's E per-expert views in table order for one prefetch slot `buffer`: local experts
-    (the module's [L, ...] segment views), then each peer's block in the slot; tensors that stay on
-    every rank are read from the module's full [E, ...] tensor."""
+    (the module's [L, ...] segment views), then the remote ones from their peer's block in the slot;
+    tensors that stay on every rank are read from the module's full [E, ...] tensor."""
     spec = layer.spec
+    num_local = len(table_order) - sum(len(x) for x in slots.experts_by_peer)
     tables: LayerTables = {}
     for t_index, tensor in enumerate(spec.moving):
         views = list(tensor.stored(layer.module).unbind(0))  # L local views
+        remote = {}
         for p_index, experts_of_peer in enumerate(slots.experts_by_peer):
             block = tensor.views_in(buffer, slots.tensor_offset(p_index, t_index), len(experts_of_peer))
-            views.extend(block.unbind(0))
+            remote.update(zip(experts_of_peer, block.unbind(0)))
+        views.extend(remote[e] for e in table_order[num_local:])
         tables[tensor.name] = views
     for tensor in spec.replicated:
         full = tensor.stacked(layer.module, spec.num_experts)  # [E, *shape]
@@ -215,7 +218,9 @@ class DWDPModel(ModelWrapper):
         self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record)
         self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover)
 
-        remote_order = [e for experts_of_peer in slots.experts_by_peer for e in experts_of_peer]
+        # Remote experts in the order their copies complete, so the ones landed at any moment are
+        # mostly a prefix of the table (exactly one on CUDA, where batches complete in order).
+        remote_order = list(arrival_order(plans.get(0, 0)))
         table_order = list(placement.local_experts(group.rank)) + remote_order
         num_identity = first.spec.math.num_identity_experts
         position = torch.empty(num_experts + num_identity, dtype=torch.long)

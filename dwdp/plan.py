@@ -15,7 +15,7 @@ tensor-major blocks for the experts pulled from that peer, so the experts path r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from .placement import NO_SOURCE, Placement
 
@@ -103,7 +103,8 @@ class CopyPlan:
     slot: int
     slices: tuple[CopySlice, ...]
 
-    @property
+    # Cached: a plan is built once and submitted every forward, and its slices never change.
+    @cached_property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slices)
 
@@ -112,10 +113,21 @@ class CopyPlan:
         return tuple(sorted({s.peer for s in self.slices}))
 
     def slices_per_expert(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
+        """Expert -> its number of slices (a fresh dict)."""
+        return dict(self._slice_counts[0])
+
+    def slices_per_peer(self) -> dict[int, int]:
+        """Source peer -> its number of slices (a fresh dict)."""
+        return dict(self._slice_counts[1])
+
+    @cached_property
+    def _slice_counts(self) -> tuple[dict[int, int], dict[int, int]]:
+        per_expert: dict[int, int] = {}
+        per_peer: dict[int, int] = {}
         for s in self.slices:
-            counts[s.expert] = counts.get(s.expert, 0) + 1
-        return counts
+            per_expert[s.expert] = per_expert.get(s.expert, 0) + 1
+            per_peer[s.peer] = per_peer.get(s.peer, 0) + 1
+        return per_expert, per_peer
 
 
 def build_copy_plan(
@@ -159,6 +171,13 @@ def build_copy_plan(
             if k < len(stream):
                 ordered.append(stream[k])
     return CopyPlan(rank, layer, slot, tuple(ordered))
+
+
+def arrival_order(plan: CopyPlan) -> tuple[int, ...]:
+    """The plan's experts in the order their last slice comes in the plan: the order in which they
+    become ready when slices land in plan order."""
+    last = {s.expert: i for i, s in enumerate(plan.slices)}
+    return tuple(sorted(last, key=last.__getitem__))
 
 
 class PlanCache:

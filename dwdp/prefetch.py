@@ -135,12 +135,30 @@ class Prefetcher:
                     self.stats.slot_hits += 1
         return slot_index
 
+    def landed(self, layer: int, slot_index: int) -> bool:
+        """Whether every copy of `layer` into `slot_index` has landed; never blocks. A failed copy
+        has not landed: the `wait` that follows re-plans and retries it, or raises."""
+        try:
+            return self._ticket(layer, slot_index).done()
+        except PeerCopyError:
+            if self.failover is None:
+                raise
+            return False
+
+    def landed_prefix(self, layer: int, slot_index: int, experts) -> int:
+        """How many of `experts`, in order, have landed in `slot_index` before the first that has
+        not; never blocks (a failed copy: none, as in `landed`)."""
+        try:
+            return self._ticket(layer, slot_index).landed_prefix(experts)
+        except PeerCopyError:
+            if self.failover is None:
+                raise
+            return 0
+
     def wait(self, layer: int, slot_index: int, experts=None) -> float:
         """Block until `layer`'s experts (all, or just `experts`) have landed in `slot_index`;
         returns the seconds waited."""
-        slot = self.slots[slot_index]
-        if slot.layer != layer or slot.ticket is None:
-            raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        self._ticket(layer, slot_index)  # the slot must hold this layer
         # Measured around the whole call: waking up and getting the interpreter back after the
         # copies land is part of what this rank waited, and the trace reports the same span.
         start = now_us()
@@ -247,6 +265,12 @@ class Prefetcher:
                 pass  # a failed copy was already reported to the compute that waited on it
 
     # -- internals -----------------------------------------------------------------------------
+    def _ticket(self, layer: int, slot_index: int) -> Ticket:
+        slot = self.slots[slot_index]
+        if slot.layer != layer or slot.ticket is None:
+            raise RuntimeError(f"slot {slot_index} holds layer {slot.layer}, not layer {layer}: begin({layer}) first")
+        return slot.ticket
+
     def _issue_locked(self, layer: int, slot_index: int) -> bool:
         """Start (or defer) the copy of `layer` into the slot; False when it is already there."""
         slot = self.slots[slot_index]

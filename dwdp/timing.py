@@ -6,6 +6,7 @@ result was taken, for its JSON.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import statistics
@@ -79,3 +80,21 @@ def machine() -> dict:
 def load_average_1min() -> float:
     """The 1-minute load average: on a shared machine, how many runnable jobs the run competed with."""
     return os.getloadavg()[0]
+
+
+def keep_freed_memory() -> str | None:
+    """Have glibc's malloc keep freed memory (mmap threshold 32 MiB, no trimming) in this process.
+
+    Otherwise a tensor of a few MiB allocated anew in every forward is mapped and paged in anew:
+    thousands of page faults per forward at 2048 tokens, microseconds each on a VM, in numbers that
+    vary from run to run and swamp the differences a benchmark looks for. Returns what was set, or
+    None where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (mallopt(m_mmap_threshold, 32 << 20) and mallopt(m_trim_threshold, 2**31 - 1)):
+        return None
+    return "glibc malloc: mmap threshold 32 MiB, trim threshold 2 GiB"

@@ -1,7 +1,8 @@
 """Per-rank Chrome trace recording (`trace_rank{r}.json`, opens in Perfetto).
 
 Lanes: tid 0 is the compute thread (forward, attention, router, MoE compute, prefetch issue and
-wait); tid 100 + i is copier i, one event per copy slice with its source, destination and bytes.
+wait); tid 100 + i is copier i, one event per copy slice with its source, destination and bytes (on the
+host backend, i = inflight is the compute thread copying batches no copier had started when it waited).
 Timestamps are microseconds of the host's monotonic clock, shared by every process on the host,
 so the ranks' files line up. With recording off nothing here runs: callers hold `None`.
 

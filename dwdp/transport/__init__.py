@@ -25,7 +25,7 @@ def make_transport(backend: str, rank: int, config, *, device=None, mapping: str
                    process_group=None) -> Transport:
     """The transport of `backend` for `rank`, set up from a DWDPConfig."""
     if backend == "host":
-        return HostTransport(rank, inflight=config.inflight)
+        return HostTransport(rank, inflight=config.inflight, copy_batches=config.copy_batches)
     if backend == "cuda":
         from .cuda import CudaTransport
 

@@ -29,14 +29,19 @@ class PeerCopyError(PrefetchError):
 
 
 class PeerUnreadable(RuntimeError):
-    """The fault hook's error: this peer's memory is treated as unreadable (a lost device)."""
+    """The fault hook's error: `peer`'s memory is treated as unreadable (a lost device)."""
+
+    def __init__(self, message: str, peer: int):
+        super().__init__(message)
+        self.peer = peer
 
 
 class Ticket:
     """Completion of one submitted plan, with per-expert readiness.
 
-    A copier calls `_finish_slice` once per slice (from any thread); compute calls `wait` or
-    `wait_experts`, which block at most `timeout` seconds.
+    A copier calls `_finish_slice` once per slice or `_finish_slices` once per batch (from any
+    thread); compute calls `wait` or `wait_experts`, which block at most `timeout` seconds, or asks
+    `landed_prefix` what it can compute now without blocking.
     """
 
     def __init__(self, plan: CopyPlan):
@@ -44,17 +49,16 @@ class Ticket:
         self._cond = threading.Condition()
         self._left_total = len(plan.slices)
         self._left_expert = plan.slices_per_expert()
-        self._left_peer: dict[int, int] = {}
-        for s in plan.slices:
-            self._left_peer[s.peer] = self._left_peer.get(s.peer, 0) + 1
+        self._left_peer = plan.slices_per_peer()
         self.error: BaseException | None = None
         self.failed_peer: int | None = None  # the source whose copy failed, when one did
-        self._running = 0                    # slices a copier is copying right now
+        self._running = 0                    # slices (or batches) a copier is copying right now
         self.submitted_ns = time.perf_counter_ns()
         self.finished_ns: int | None = self.submitted_ns if not plan.slices else None
 
     def _start_slice(self) -> bool:
-        """A copier is about to read a slice; False once the ticket failed (skip it)."""
+        """A copier is about to copy a slice or a batch of them; False once the ticket failed (skip
+        it). Each True is matched by one `_finish_slice`, `_finish_slices` or `_fail(started=True)`."""
         with self._cond:
             if self.error is not None:
                 return False
@@ -62,20 +66,35 @@ class Ticket:
             return True
 
     def _finish_slice(self, peer: int, expert: int) -> None:
+        """One started slice has landed."""
         with self._cond:
             self._running -= 1
-            self._left_total -= 1
-            self._left_expert[expert] -= 1
-            self._left_peer[peer] -= 1
-            if self._left_total == 0:
-                self.finished_ns = time.perf_counter_ns()
-            # Waiters wait for whole experts: waking them for a partial one only costs them.
-            if self._left_expert[expert] == 0:
+            if self._count_landed(peer, expert) or (self._running == 0 and self.error is not None):
                 self._cond.notify_all()
+
+    def _finish_slices(self, slices) -> None:
+        """Every slice of one started batch (CopySlice each) has landed: one lock and one wake-up."""
+        with self._cond:
+            self._running -= 1
+            completed = False
+            for s in slices:
+                completed |= self._count_landed(s.peer, s.expert)
+            if completed or (self._running == 0 and self.error is not None):
+                self._cond.notify_all()  # waiters for experts, or `quiesce` after a failure
+
+    def _count_landed(self, peer: int, expert: int) -> bool:
+        """Count one landed slice; True when it completes its expert. Holds `_cond`."""
+        self._left_total -= 1
+        self._left_expert[expert] -= 1
+        self._left_peer[peer] -= 1
+        if self._left_total == 0:
+            self.finished_ns = time.perf_counter_ns()
+        # Waiters wait for whole experts: waking them for a partial one only costs them.
+        return self._left_expert[expert] == 0
 
     def _fail(self, error: BaseException, peer: int | None = None, started: bool = False) -> None:
         """Record the first failure (`peer`: the source of the failed copy; `started`: it came from
-        a slice that `_start_slice` let run)."""
+        a slice or batch that `_start_slice` let run)."""
         with self._cond:
             if started:
                 self._running -= 1
@@ -115,6 +134,18 @@ class Ticket:
             self._raise_if_failed()
             return self._left_expert.get(expert, 0) == 0
 
+    def landed_prefix(self, experts) -> int:
+        """How many of `experts`, taken in order, have landed before the first one that has not;
+        never blocks."""
+        with self._cond:
+            self._raise_if_failed()
+            count = 0
+            for e in experts:
+                if self._left_expert.get(e, 0):
+                    break
+                count += 1
+            return count
+
     def wait(self, timeout: float) -> float:
         """Block until every slice has landed; returns the seconds spent waiting."""
         return self._wait_until(lambda: self._left_total == 0, timeout, "all experts")
@@ -128,6 +159,8 @@ class Ticket:
     def _wait_until(self, ready, timeout: float, what: str) -> float:
         start = time.perf_counter()
         with self._cond:
+            if self.error is None and ready():
+                return 0.0  # the common case on the hot path: nothing to wait for
             finished = self._cond.wait_for(lambda: self.error is not None or ready(), timeout=timeout)
             self._raise_if_failed()
             if not finished:
@@ -209,7 +242,7 @@ class Transport(ABC):
     def _check_readable(self, peer: int) -> None:
         reason = self.faulty_peers.get(peer)
         if reason is not None:
-            raise PeerUnreadable(f"rank {self.rank}: memory of peer {peer} is unreadable ({reason})")
+            raise PeerUnreadable(f"rank {self.rank}: memory of peer {peer} is unreadable ({reason})", peer)
 
     @abstractmethod
     def forget_peer(self, peer: int) -> None:

@@ -124,6 +124,21 @@ class CudaTicket:
         batch = self._expert_batch.get(expert)
         return batch is None or self._device_call(self._transport.api.event_query, self._events[batch])
 
+    def landed_prefix(self, experts) -> int:
+        """How many of `experts`, in order, lie in batches whose events have completed (queried,
+        never waited on): the experts before the first one whose batch is still on the copy stream."""
+        self._raise_if_failed()
+        api, done_batches, count = self._transport.api, 0, 0
+        for e in experts:
+            batch = self._expert_batch.get(e, -1)
+            # Batches complete in stream order: query each one once, from the first onwards.
+            while done_batches <= batch and self._device_call(api.event_query, self._events[done_batches]):
+                done_batches += 1
+            if batch >= done_batches:
+                break
+            count += 1
+        return count
+
     def synchronize(self, timeout: float) -> float:
         """Block the host until every batch landed; PrefetchTimeout names the peers outstanding."""
         self._raise_if_failed()

@@ -1,0 +1,119 @@
+"""How the host backend moves a plan: inside `submit` (small plans), by copier threads in batches,
+or by a waiter that copies the batches no copier has started. Bytes are compared bit-exactly with
+the plain-PyTorch reference; one process holds a 3-rank group of transports."""
+import threading
+
+import pytest
+import torch
+
+from dwdp.placement import build_placement
+from dwdp.plan import CopyPlan, CopySlice, SegmentLayout, build_copy_plan, cut_batches, slot_layout
+from dwdp.transport import HostTransport
+from dwdp.transport.host import _HostTicket
+from dwdp.transport.reference import execute_plan_reference
+
+TENSOR_NBYTES = (3000, 1700)
+NUM_EXPERTS, GROUP_SIZE, NUM_LAYERS = 9, 3, 2
+
+
+def _group(tmp_path, **kwargs):
+    """Transports of a 3-rank group in this process, segments filled with seeded random bytes."""
+    placement = build_placement(NUM_EXPERTS, GROUP_SIZE)
+    layout = SegmentLayout(NUM_LAYERS, placement.num_local_experts, TENSOR_NBYTES)
+    transports, segments = [], []
+    for rank in range(GROUP_SIZE):
+        t = HostTransport(rank, shm_dir=str(tmp_path), **kwargs)
+        segment = t.alloc_segment(layout.total_nbytes)
+        gen = torch.Generator().manual_seed(50 + rank)
+        segment.copy_(torch.randint(0, 256, segment.shape, dtype=torch.uint8, generator=gen))
+        transports.append(t)
+        segments.append(segment)
+    handles = [t.register() for t in transports]
+    for t in transports:
+        t.open(handles)
+    for t in transports:
+        t.seal()
+    return placement, layout, transports, segments
+
+
+def _check_layer(placement, layout, transports, segments, layer, slice_bytes):
+    plan = build_copy_plan(placement, 0, layer, 0, layout, slice_bytes)
+    nbytes = slot_layout(placement, 0, TENSOR_NBYTES).total_nbytes
+    poison = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(layer))
+    got = poison.clone()
+    ticket = transports[0].submit(plan, got)
+    return plan, ticket, got, execute_plan_reference(plan, segments, poison.clone())
+
+
+@pytest.mark.parametrize("copy_batches, slice_bytes", [(1, 1000), (3, 700), (8, 1 << 20)])
+def test_copier_batches_land_bit_exact(tmp_path, copy_batches, slice_bytes):
+    placement, layout, transports, segments = _group(tmp_path, copy_batches=copy_batches, min_batch_bytes=1)
+    try:
+        for layer in range(NUM_LAYERS):
+            plan, ticket, got, want = _check_layer(placement, layout, transports, segments, layer, slice_bytes)
+            assert isinstance(ticket, _HostTicket) and len(ticket._batches) == len(cut_batches(plan, copy_batches))
+            ticket.wait(30.0)
+            assert torch.equal(got, want), f"layer {layer}: {int((got != want).sum())} bytes differ"
+            missing = placement.missing_experts(0)
+            assert ticket.landed_prefix(missing) == len(missing), ticket.landed_prefix(missing)
+    finally:
+        for t in transports:
+            t.close()
+
+
+@pytest.fixture
+def stalled_copiers(monkeypatch):
+    """Copier threads stall before claiming any batch (a loaded machine) until the event is set."""
+    stall = threading.Event()
+    claim = _HostTicket._claim
+
+    def stalled_claim(self, index):
+        if threading.current_thread().name.startswith("dwdp-copier"):
+            stall.wait(30.0)
+        return claim(self, index)
+
+    monkeypatch.setattr(_HostTicket, "_claim", stalled_claim)
+    yield stall
+    stall.set()
+
+
+def test_a_plan_under_min_batch_bytes_is_copied_inside_submit(tmp_path, stalled_copiers):
+    placement, layout, transports, segments = _group(tmp_path)  # default min_batch_bytes: 1 MiB
+    try:
+        plan, ticket, got, want = _check_layer(placement, layout, transports, segments, 1, 1000)
+        assert plan.nbytes < transports[0].min_batch_bytes
+        assert ticket.done() and torch.equal(got, want), "a small plan had not landed when submit returned"
+    finally:
+        stalled_copiers.set()
+        for t in transports:
+            t.close()
+
+
+def test_a_waiter_copies_the_batches_no_copier_has_started(tmp_path, stalled_copiers):
+    placement, layout, transports, segments = _group(tmp_path, copy_batches=4, min_batch_bytes=1)
+    try:
+        plan, ticket, got, want = _check_layer(placement, layout, transports, segments, 0, 700)
+        assert not ticket.done(), "nothing should land while the copiers stall"
+        first = cut_batches(plan, 4)[0].completes
+        ticket.wait_experts(first, 10.0)  # copies the first batch only, on this thread
+        assert ticket.landed_prefix(first) == len(first) and not ticket.done()
+        ticket.wait(10.0)
+        assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
+        assert ticket._unclaimed == 0
+    finally:
+        stalled_copiers.set()
+        for t in transports:
+            t.close()
+
+
+def test_a_failed_copier_batch_reaches_the_waiter(tmp_path):
+    placement, layout, transports, segments = _group(tmp_path, min_batch_bytes=1)
+    try:
+        end = segments[1].numel()
+        bad = CopyPlan(0, 1, 0, (CopySlice(1, end - 10, 0, 1000, expert=4),))  # reads past peer 1's segment
+        ticket = transports[0].submit(bad, torch.empty(1000, dtype=torch.uint8))
+        with pytest.raises(RuntimeError, match="layer 1 into slot 0 failed"):
+            ticket.wait(10.0)
+    finally:
+        for t in transports:
+            t.close()
