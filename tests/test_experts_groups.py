@@ -100,9 +100,9 @@ def _count_per_layer(wrapped, module, name):
     prefetcher = wrapped.prefetcher
     begin, wait, original = prefetcher.begin, prefetcher.wait, getattr(module, name)
 
-    def counted_begin(layer):
+    def counted_begin(*args, **kwargs):
         counts.append({"calls": 0, "waits": 0})
-        return begin(layer)
+        return begin(*args, **kwargs)
 
     def counted_wait(*args, **kwargs):
         counts[-1]["waits"] += 1
