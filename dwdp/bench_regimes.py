@@ -308,9 +308,12 @@ def plot(rows: list[dict], opts: dict, title: str, path: Path) -> None:
     ax.axhline(TARGET_EFFICIENCY, color="grey", lw=0.8, ls=":")
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(list(opts["tokens"]), [str(t) for t in opts["tokens"]])
+    ax.minorticks_off()
     ax.set_xlabel("tokens per forward")
-    ax.set_ylabel("replicated step / DWDP step")
-    ax.set_ylim(0, max(1.1, max(r["efficiency"] for r in rows) * 1.05))
+    ax.set_ylabel("replicated step / step (1: copies cost nothing)")
+    shown = [r[k] for r in rows for k in ("efficiency", "serial_bound", "serial_efficiency")]
+    ax.set_ylim(max(0.0, min(shown) - 0.05), max(1.05, max(shown) + 0.02))  # differences of a few % stay visible
     ax.legend(fontsize=7, loc="lower right")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
