@@ -2,12 +2,13 @@
 or by a waiter that copies the batches no copier has started. Bytes are compared bit-exactly with
 the plain-PyTorch reference; one process holds a 3-rank group of transports."""
 import threading
+import time
 
 import pytest
 import torch
 
 from dwdp.placement import build_placement
-from dwdp.plan import CopyPlan, CopySlice, SegmentLayout, build_copy_plan, cut_batches, slot_layout
+from dwdp.plan import CopyPlan, CopySlice, SegmentLayout, arrival_order, build_copy_plan, cut_batches, slot_layout
 from dwdp.transport import HostTransport
 from dwdp.transport.host import _HostTicket
 from dwdp.transport.reference import execute_plan_reference
@@ -97,6 +98,10 @@ def test_a_waiter_copies_the_batches_no_copier_has_started(tmp_path, stalled_cop
         first = cut_batches(plan, 4)[0].completes
         ticket.wait_experts(first, 10.0)  # copies the first batch only, on this thread
         assert ticket.landed_prefix(first) == len(first) and not ticket.done()
+        rest = [e for e in arrival_order(plan) if e not in first]
+        # A prefix: counting stops at the first expert still missing, whatever has landed after it.
+        assert ticket.landed_prefix(list(first) + rest) == len(first), ticket.landed_prefix(list(first) + rest)
+        assert ticket.landed_prefix(rest[:1] + list(first)) == 0, ticket.landed_prefix(rest[:1] + list(first))
         ticket.wait(10.0)
         assert torch.equal(got, want), f"{int((got != want).sum())} bytes differ"
         assert ticket._unclaimed == 0
@@ -114,6 +119,59 @@ def test_a_failed_copier_batch_reaches_the_waiter(tmp_path):
         ticket = transports[0].submit(bad, torch.empty(1000, dtype=torch.uint8))
         with pytest.raises(RuntimeError, match="layer 1 into slot 0 failed"):
             ticket.wait(10.0)
+    finally:
+        for t in transports:
+            t.close()
+
+
+CHECK_EVERY = 256  # loop iterations between two releases of the interpreter lock
+
+
+def _compute_like(done) -> int:
+    """Iterations of a Python loop until done(); like a compute thread between torch ops, it lets the
+    interpreter lock go every CHECK_EVERY iterations (an op releases it while it runs)."""
+    n, x = 0, 1
+    while not done():
+        for _ in range(CHECK_EVERY):
+            x = (x * 3 + 1) % 1000003
+        n += CHECK_EVERY
+        time.sleep(0)
+    return n
+
+
+def test_copiers_leave_the_interpreter_lock_to_compute_while_they_copy(tmp_path):
+    """A 64 MiB pull by a copier thread while this thread computes: it keeps most of its speed (0.6-1.0
+    here). A copier that held the lock while it copied would take it at this thread's first release and
+    keep it until a switch interval passed, round after round (under 0.2 here)."""
+    expert_bytes = 8 << 20
+    placement = build_placement(16, 2)
+    tensor_nbytes = (expert_bytes * 2 // 3 // 16 * 16, expert_bytes // 3 // 16 * 16)
+    layout = SegmentLayout(1, placement.num_local_experts, tensor_nbytes)
+    # One copier thread: with this thread, as many threads as this 2-core test machine has cores.
+    transports = [HostTransport(rank, inflight=1, shm_dir=str(tmp_path), min_batch_bytes=1) for rank in range(2)]
+    try:
+        for rank, t in enumerate(transports):
+            t.alloc_segment(layout.total_nbytes).fill_(rank + 1)
+        handles = [t.register() for t in transports]
+        for t in transports:
+            t.open(handles)
+        plan = build_copy_plan(placement, 0, 0, 0, layout, 1 << 20)
+        slot = transports[0].alloc_slot(slot_layout(placement, 0, tensor_nbytes).total_nbytes)
+        assert plan.nbytes > 60 << 20 and len(plan.slices) >= 64, (plan.nbytes, len(plan.slices))
+        for _ in range(2):  # first touch of every page, copier start-up
+            transports[0].submit(plan, slot).wait(60.0)
+        progress = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            transports[0].submit(plan, slot).synchronize(60.0)
+            end = time.perf_counter() + max(time.perf_counter() - t0, 0.01)
+            t0 = time.perf_counter()
+            alone = _compute_like(lambda: time.perf_counter() >= end) / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            ticket = transports[0].submit(plan, slot)
+            progress.append(_compute_like(ticket.done) / (time.perf_counter() - t0) / alone)
+            ticket.wait(60.0)
+        assert max(progress) > 0.4, f"this thread's speed during the copies over its speed alone: {progress}"
     finally:
         for t in transports:
             t.close()

@@ -43,6 +43,7 @@ def test_regimes_figures_follow_from_the_per_rank_samples(tmp_path, capsys):
         for point, derived in zip(sorted(points, key=lambda p: p["rank"]), row["per_rank"]):
             s = point["samples_s"]
             assert [len(s[v]) for v in ("replicated", "copy", "serial", "dwdp")] == [3, 3, 3, 3], s
+            assert point["serial_bytes_per_forward"] == MOE_LAYERS * PULLED_PER_LAYER, point["serial_bytes_per_forward"]
             replicated, dwdp, copy = (statistics.median(s[v]) for v in ("replicated", "dwdp", "copy"))
             efficiency = statistics.median([r / d for r, d in zip(s["replicated"], s["dwdp"])])
             gain = statistics.median([c / d for c, d in zip(s["serial"], s["dwdp"])])
