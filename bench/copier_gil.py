@@ -33,7 +33,7 @@ import torch
 from dwdp.placement import build_placement
 from dwdp.plan import SegmentLayout, build_copy_plan, slot_layout
 from dwdp.timing import device_tag, load_average_1min, machine
-from dwdp.transport import HostTransport
+from dwdp.transport import HostTransport, connect_in_process
 
 NUM_EXPERTS = 16
 
@@ -50,11 +50,7 @@ def _group(plan_bytes: int, slice_bytes: int, shm_dir: str):
         segments.append(t.alloc_segment(layout.total_nbytes))
         segments[-1].fill_(rank + 1)
         transports.append(t)
-    handles = [t.register() for t in transports]
-    for t in transports:
-        t.open(handles)
-    for t in transports:
-        t.seal()
+    connect_in_process(transports)
     plan = build_copy_plan(placement, 0, 0, 0, layout, slice_bytes)
     slot = transports[0].alloc_slot(slot_layout(placement, 0, tensor_nbytes).total_nbytes)
     slot.fill_(0)  # first touch outside the timed region

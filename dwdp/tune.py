@@ -23,7 +23,7 @@ from .costmodel.timeline import uniform_layers_wait
 from .placement import build_placement
 from .plan import PlanCache, SegmentLayout, slot_layout
 from .timing import time_fn
-from .transport.host import HostTransport
+from .transport.host import HostTransport, connect_in_process
 
 MIB = 1 << 20
 
@@ -94,11 +94,7 @@ def measure_copy_bandwidth(num_experts: int, group_size: int, expert_bytes: int,
     try:
         for r, t in enumerate(transports):
             t.alloc_segment(layout.total_nbytes).fill_(r + 1)
-        handles = [t.register() for t in transports]
-        for t in transports:
-            t.open(handles)
-        for t in transports:
-            t.seal()
+        connect_in_process(transports)
         slot = transports[0].alloc_slot(slot_layout(placement, 0, tensor_nbytes).total_nbytes)
         slot.fill_(0)  # first-touch outside the timed region
         out = []

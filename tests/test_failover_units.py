@@ -21,7 +21,7 @@ from dwdp.liveness import LivenessRecord, PeerLiveness, PeerStatus, process_exit
 from dwdp.placement import NO_SOURCE, build_placement, local_experts_for_replicas, surviving_sources
 from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, slot_layout
 from dwdp.prefetch import Prefetcher
-from dwdp.transport import HostTransport, PrefetchTimeout, Ticket
+from dwdp.transport import HostTransport, PrefetchTimeout, Ticket, connect_in_process
 from dwdp.transport.reference import execute_plan_reference
 from test_plan import _expert_bytes, _segment
 
@@ -159,11 +159,7 @@ def host_group(tmp_path):
         transports = [HostTransport(r, inflight=2, shm_dir=str(tmp_path)) for r in range(3)]
         for r, t in enumerate(transports):
             t.alloc_segment(seg.total_nbytes).copy_(_segment(full, p.owned[r]))
-        handles = [t.register() for t in transports]
-        for t in transports:
-            t.open(handles)
-        for t in transports:
-            t.seal()
+        connect_in_process(transports)
         made.extend(transports)
         nbytes = slot_layout(p, 0, TENSOR_NBYTES).total_nbytes
         plans = PlanCache(p, 0, seg, slice_bytes=700)

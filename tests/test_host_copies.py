@@ -9,7 +9,7 @@ import torch
 
 from dwdp.placement import build_placement
 from dwdp.plan import CopyPlan, CopySlice, SegmentLayout, arrival_order, build_copy_plan, cut_batches, slot_layout
-from dwdp.transport import HostTransport
+from dwdp.transport import HostTransport, connect_in_process
 from dwdp.transport.host import _HostTicket
 from dwdp.transport.reference import execute_plan_reference
 
@@ -29,11 +29,7 @@ def _group(tmp_path, **kwargs):
         segment.copy_(torch.randint(0, 256, segment.shape, dtype=torch.uint8, generator=gen))
         transports.append(t)
         segments.append(segment)
-    handles = [t.register() for t in transports]
-    for t in transports:
-        t.open(handles)
-    for t in transports:
-        t.seal()
+    connect_in_process(transports)
     return placement, layout, transports, segments
 
 

@@ -5,7 +5,7 @@ import torch
 from dwdp.placement import build_placement
 from dwdp.plan import PlanCache, SegmentLayout, slot_layout
 from dwdp.prefetch import Prefetcher
-from dwdp.transport import HostTransport, PrefetchTimeout
+from dwdp.transport import HostTransport, PrefetchTimeout, connect_in_process
 from dwdp.transport.reference import execute_plan_reference
 
 TENSOR_NBYTES = (3000, 1500)
@@ -24,11 +24,7 @@ def pair(tmp_path, request):
         seg.copy_(torch.randint(0, 256, seg.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(rank)))
         transports.append(t)
         segments.append(seg)
-    handles = [t.register() for t in transports]
-    for t in transports:
-        t.open(handles)
-    for t in transports:
-        t.seal()
+    connect_in_process(transports)
     nbytes = slot_layout(placement, 0, TENSOR_NBYTES).total_nbytes
     buffers = [transports[0].alloc_slot(nbytes) for _ in range(request.param)]
     plans = PlanCache(placement, 0, seg_layout, slice_bytes=700)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Ticket, Transport
-from .host import HostTransport
+from .host import HostTransport, connect_in_process
 
 
 def resolve_backend(backend: str, device) -> str:
@@ -35,4 +35,4 @@ def make_transport(backend: str, rank: int, config, *, device=None, mapping: str
 
 
 __all__ = ["HostTransport", "PeerCopyError", "PeerUnreadable", "PrefetchError", "PrefetchTimeout", "Ticket",
-           "Transport", "make_transport", "resolve_backend"]
+           "Transport", "connect_in_process", "make_transport", "resolve_backend"]

@@ -66,6 +66,17 @@ def sweep_stale_segments(directory: Path, prefix: str = SEGMENT_PREFIX) -> list[
     return removed
 
 
+def connect_in_process(transports: list["HostTransport"]) -> None:
+    """Open every transport on all of their segments, then seal them: the exchange of handles that
+    a process group does across processes, for ranks held by one process (tune, tests, benches).
+    Each transport must have allocated its segment."""
+    handles = [t.register() for t in transports]
+    for t in transports:
+        t.open(handles)
+    for t in transports:
+        t.seal()
+
+
 def map_file(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
