@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{README_BEGIN}\n{markdown(rows)}\n{README_END}")
         else:
             for r in rows:
-                print(f"{r.family:24s} {'wraps' if r.wraps else 'refused':8s} {r.path if r.wraps else r.reason}")
+                outcome = "wraps" if r.wraps else "refused" if r.built else "not built"
+                print(f"{r.family:24s} {outcome:9s} {r.path if r.wraps else r.reason}")
         return 0
     if args.command == "tune":
         return _tune(args)

@@ -5,6 +5,7 @@ the README block is what this module generates from the installed transformers.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,8 @@ class FamilyCoverage:
     layout: str = ""     # what differs from plain stacked SwiGLU experts
     gate: str = ""       # the gate function
     path: str = ""       # experts path on CUDA with experts_kernel="auto"
-    reason: str = ""     # why it is refused
+    reason: str = ""     # why it is refused, or why its tiny model could not be built
+    built: bool = True   # False: its tiny model raised before dwdp saw it (reason says what)
 
 
 def coverage_of(family: str, model: torch.nn.Module) -> FamilyCoverage:
@@ -64,12 +66,26 @@ def coverage_of(family: str, model: torch.nn.Module) -> FamilyCoverage:
     )
 
 
-def markdown(rows: list[FamilyCoverage]) -> str:
-    """The README block: a summary line, then one table row per family."""
+def not_built(family: str, exc: BaseException) -> FamilyCoverage:
+    """The row of a family whose tiny model raised while being built (a config validator, say)."""
+    first_line = (str(exc).strip().splitlines() or [""])[-1].strip()
+    return FamilyCoverage(family, "", False, reason=f"not built: {type(exc).__name__}: {first_line}"[:300],
+                          built=False)
+
+
+def markdown(rows: list[FamilyCoverage], transformers_version: str | None = None) -> str:
+    """The README block: a summary line naming the transformers version, then one row per family."""
+    if transformers_version is None:
+        import transformers
+
+        transformers_version = transformers.__version__
     wrapped = [r for r in rows if r.wraps]
+    unbuilt = [r for r in rows if not r.built]
+    refused = len(rows) - len(wrapped) - len(unbuilt)
+    outcome = f"{refused} refused" + (f", {len(unbuilt)} not built" if unbuilt else "")
     lines = [
-        f"{len(wrapped)} of the {len(rows)} MoE families of the installed transformers wrap "
-        f"({len(rows) - len(wrapped)} refused), as found on each family's tiny random config. Path: the experts "
+        f"{len(wrapped)} of the {len(rows)} MoE families of transformers {transformers_version} wrap "
+        f"({outcome}), as found on each family's tiny random config. Path: the experts "
         "path on CUDA with `experts_kernel='auto'`; dwdp decides it per model when it wraps, so a real "
         "checkpoint's settings (a gate's clamp limit) can change it. On CPU every family runs the reference path.",
         "",
@@ -81,16 +97,32 @@ def markdown(rows: list[FamilyCoverage]) -> str:
             lines.append(f"| {r.family} | {r.model_class} | {r.adapter} | {r.tensors} | {r.layout} | {r.gate} | "
                          f"{r.path} |")
         else:
-            lines.append(f"| {r.family} | {r.model_class} | refused | | | | {r.reason} |")
+            outcome = "refused" if r.built else "not built"
+            lines.append(f"| {r.family} | {r.model_class} | {outcome} | | | | {r.reason} |")
     return "\n".join(lines)
 
 
 def all_families() -> list[FamilyCoverage]:
-    """Build each family's tiny model and describe it (a few seconds on one core)."""
+    """Build each family's tiny model and describe it (a few seconds on one core); a family whose tiny
+    model cannot be built gets a row saying why instead of stopping the others."""
     from .families import moe_families
     from .tiny import build_tiny_model
 
-    return [coverage_of(f.name, build_tiny_model(f.name, seed=0)) for f in moe_families()]
+    rows = []
+    for f in moe_families():
+        try:
+            model = build_tiny_model(f.name, seed=0)
+        except Exception as exc:
+            rows.append(not_built(f.name, exc))
+            continue
+        rows.append(coverage_of(f.name, model))
+    return rows
+
+
+def table_version(readme_text: str) -> str | None:
+    """The transformers version the README's family block was generated with, or None."""
+    found = re.search(r"MoE families of transformers (\S+) wrap", readme_block(readme_text))
+    return found.group(1) if found else None
 
 
 def readme_block(readme_text: str) -> str:

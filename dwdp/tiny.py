@@ -181,7 +181,65 @@ def tiny_config(family: str, *, hidden: int = 32, intermediate: int = 48, num_ex
         _set_nested(kwargs, name, value(knobs) if callable(value) else value)
     for name, value in overrides.items():
         _set_nested(kwargs, name, value)
+    _derive_rope_sections(config_class, kwargs)
     return config_class(**kwargs)
+
+
+def _derive_rope_sections(config_class, kwargs: dict) -> None:
+    """Multimodal RoPE splits half of each head's rotary width into (time, height, width) sections, and
+    configs validate that sum: give every config that has sections (by default or from a hint) sections
+    in their own proportions that sum to half its rotary width at the tiny size. Recurses into sub-configs."""
+    for name, sub_class in _sub_config_classes(config_class).items():
+        if isinstance(kwargs.get(name), dict):
+            _derive_rope_sections(sub_class, kwargs[name])
+    rope = dict(kwargs.get("rope_parameters") or {})
+    default = _default_rope_parameters(config_class) if "mrope_section" not in rope else {}
+    sections = rope.get("mrope_section") or default.get("mrope_section")
+    if not sections:
+        return
+    fields = _fields(config_class)
+
+    def value(field: str):
+        if field in kwargs:
+            return kwargs[field]
+        return _default(fields[field]) if field in fields else None
+
+    if "qk_rope_head_dim" in fields:  # MLA: RoPE runs on its own slice of each head
+        rotary = value("qk_rope_head_dim")
+    else:
+        head_dim = value("head_dim") or value("hidden_size") // value("num_attention_heads")
+        factor = rope.get("partial_rotary_factor", default.get("partial_rotary_factor", 1.0))
+        rotary = int(head_dim * factor)
+    kwargs["rope_parameters"] = {**default, **rope, "mrope_section": split_in_proportion(rotary // 2, sections)}
+
+
+def _default_rope_parameters(config_class) -> dict:
+    """The rope parameters a config class fills in by default, when its module speaks of RoPE sections."""
+    import sys
+
+    module = sys.modules.get(config_class.__module__)
+    path = getattr(module, "__file__", None)
+    if path is None or "mrope_section" not in open(path).read():
+        return {}
+    try:
+        return dict(getattr(config_class(), "rope_parameters", None) or {})
+    except Exception:  # a class that needs arguments to build states no usable default
+        return {}
+
+
+def split_in_proportion(total: int, parts: list[int]) -> list[int]:
+    """`total` split into len(parts) integers in the proportions of `parts` (largest remainders first),
+    each at least 1 when total allows."""
+    weight = sum(parts)
+    out = [total * p // weight for p in parts]
+    by_remainder = sorted(range(len(parts)), key=lambda i: -(total * parts[i] % weight))
+    for i in by_remainder[:total - sum(out)]:
+        out[i] += 1
+    for i, v in enumerate(out):  # a zero section would drop that axis: borrow from the largest
+        if v == 0 and total >= len(parts):
+            out[out.index(max(out))] -= 1
+            out[i] = 1
+    return out
 
 
 def _set_nested(kwargs: dict, name: str, value) -> None:

@@ -5,14 +5,16 @@ A family transformers adds shows up here as a new case. Families dwdp refuses ar
 reason below, and the list is asserted, so coverage cannot silently shrink (or grow unnoticed).
 """
 import time
+import traceback
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 from dwdp.adapters import Unsupported
 from dwdp.config import DWDPConfig
-from dwdp.coverage import coverage_of, markdown, readme_block
+from dwdp.coverage import coverage_of, markdown, not_built, readme_block, table_version
 from dwdp.families import moe_families
 from dwdp.group import init_group, launch_local
 from dwdp.model import DWDPModel
@@ -39,32 +41,60 @@ def _forward(model, ids: torch.Tensor, seed: int) -> torch.Tensor:
     return out.logits if getattr(out, "logits", None) is not None else out[0]
 
 
-def _sweep_rank(rank: int, families: list[str]) -> dict:
+def _try_family(rank: int, index: int, family: str, group, broken: tuple[str, ...]) -> dict:
+    """One family's outcome on this rank: refused, or its logits against the unwrapped model's.
+
+    Building is agreed on by every rank before anything collective (wrapping exchanges handles), so a
+    family that cannot be built on one rank is skipped by all of them instead of hanging the others."""
+    model = build_error = None
+    try:
+        if family in broken and rank == 0:
+            raise ValueError(f"planted: the tiny config of {family} raises on rank {rank}")
+        model = build_tiny_model(family, seed=index)
+    except Exception as exc:
+        build_error = exc
+    errors = group.all_gather_object(None if build_error is None else f"{type(build_error).__name__}: {build_error}")
+    coverage = None
+    if rank == 0:
+        coverage = not_built(family, build_error) if build_error is not None else coverage_of(family, model)
+    if any(errors):
+        failed = {r: e for r, e in enumerate(errors) if e}
+        return dict(error=f"not built on ranks {sorted(failed)}: {next(iter(failed.values()))}", coverage=coverage)
+    gen = torch.Generator().manual_seed(1000 * rank + index)
+    ids = torch.randint(3, 128, (2, 5 + 2 * rank), generator=gen)  # this rank's own batch
+    try:
+        with torch.no_grad():
+            reference = _forward(model, ids, index)
+        wrapped = DWDPModel(model, DWDPConfig(slice_bytes=4096), group)
+    except Unsupported as exc:
+        return dict(refused=str(exc), coverage=coverage)
+    except Exception:
+        return dict(error=traceback.format_exc(limit=4), coverage=coverage)
+    try:
+        with wrapped, torch.no_grad():
+            got = _forward(wrapped, ids, index)
+            again = _forward(wrapped, ids, index)  # second forward: slots reused across forwards
+            copied = wrapped.stats.bytes_copied
+    except Exception:
+        return dict(error=traceback.format_exc(limit=4), coverage=coverage)
+    return dict(
+        diff=(got - reference).abs().max().item(), diff_again=(again - reference).abs().max().item(),
+        scale=reference.abs().max().item(), bytes_copied=copied, layers=len(wrapped.experts_layers),
+        coverage=coverage,
+    )
+
+
+def _sweep_rank(rank: int, families: list[str], broken: tuple[str, ...] = ()) -> dict:
+    """Every family in one process group, each on its own: one that cannot be built, wrapped or run is
+    recorded with its error and the sweep goes on. `broken`: families planted to fail their build on rank 0."""
     torch.set_num_threads(1)
     group = init_group()
     start = time.perf_counter()
     results = {}
-    for i, family in enumerate(families):
-        model = build_tiny_model(family, seed=i)
-        coverage = coverage_of(family, model) if rank == 0 else None
-        gen = torch.Generator().manual_seed(1000 * rank + i)
-        ids = torch.randint(3, 128, (2, 5 + 2 * rank), generator=gen)  # this rank's own batch
-        with torch.no_grad():
-            reference = _forward(model, ids, i)
-        try:
-            wrapped = DWDPModel(model, DWDPConfig(slice_bytes=4096), group)
-        except Unsupported as exc:
-            results[family] = dict(refused=str(exc), coverage=coverage)
-            continue
-        with wrapped, torch.no_grad():
-            got = _forward(wrapped, ids, i)
-            again = _forward(wrapped, ids, i)  # second forward: slots reused across forwards
-            copied = wrapped.stats.bytes_copied
-        results[family] = dict(
-            diff=(got - reference).abs().max().item(), diff_again=(again - reference).abs().max().item(),
-            scale=reference.abs().max().item(), bytes_copied=copied, layers=len(wrapped.experts_layers),
-            coverage=coverage,
-        )
+    for index, family in enumerate(families):
+        began = time.perf_counter()
+        results[family] = _try_family(rank, index, family, group, broken)
+        results[family]["seconds"] = time.perf_counter() - began
     return dict(results=results, seconds=time.perf_counter() - start)
 
 
@@ -87,12 +117,28 @@ def test_family_wraps_and_matches_unwrapped(sweep, family):
     ranks, _ = sweep
     for rank, out in enumerate(ranks):
         r = out["results"][family]
+        assert "error" not in r, f"{family} rank {rank}: {r['error']}"
         if family in REFUSED:
             assert REFUSED[family] in r.get("refused", ""), f"{family} rank {rank}: expected refusal, got {r}"
             continue
         assert "refused" not in r, f"{family} rank {rank}: refused: {r.get('refused')}"
         check_logits(family, dict(diff=max(r["diff"], r["diff_again"]), scale=r["scale"]), rank)
         assert r["bytes_copied"] > 0, f"{family} rank {rank}: nothing was prefetched ({r})"
+
+
+@pytest.mark.timeout(120)
+def test_a_family_that_cannot_be_built_fails_alone():
+    """A family whose tiny config raises (on one rank only, the harder case) is reported with its error;
+    the families before and after it still wrap and match."""
+    ranks = launch_local(_sweep_rank, 2, (["mixtral", "olmoe", "qwen3_moe"], ("olmoe",)), timeout_s=100)
+    for rank, out in enumerate(ranks):
+        results = out["results"]
+        assert "planted: the tiny config of olmoe raises" in results["olmoe"].get("error", ""), (rank, results["olmoe"])
+        for family in ("mixtral", "qwen3_moe"):
+            r = results[family]
+            assert "error" not in r and "refused" not in r, (rank, family, r)
+            check_logits(family, dict(diff=max(r["diff"], r["diff_again"]), scale=r["scale"]), rank)
+    assert not ranks[0]["results"]["olmoe"]["coverage"].built
 
 
 @pytest.mark.timeout(450)
@@ -116,6 +162,10 @@ def test_readme_family_table_is_generated(sweep):
     ranks, _ = sweep
     rows = [ranks[0]["results"][f]["coverage"] for f in FAMILIES]
     readme = (Path(__file__).parent.parent / "README.md").read_text()
+    generated_with = table_version(readme)
+    if generated_with != transformers.__version__:
+        pytest.skip(f"the README's family table is for transformers {generated_with}; this is "
+                    f"{transformers.__version__} (the constraints file pins the table's version)")
     assert readme_block(readme) == markdown(rows), (
         "README family table is stale: regenerate it with `dwdp families --markdown`"
     )
