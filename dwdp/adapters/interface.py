@@ -19,6 +19,9 @@ from .quantized import read_projection
 
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 STANDARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
+# gpt-oss before transformers gave it the decorator (5.17 and earlier): the same three tensors under other
+# names, weights stored [in, out] (its forward computes x @ W), biases, gate/up interleaved by its own gate.
+GPT_OSS_ARGS = ("hidden_states", "router_indices", "routing_weights")
 
 
 def is_decorated(module: torch.nn.Module) -> bool:
@@ -137,6 +140,9 @@ class ExpertsInterfaceAdapter(ExpertsAdapter):
             )
         if has_standard_interface(module) and isinstance(getattr(module, "down_proj", None), torch.Tensor):
             return interface_spec(name, module)
+        if forward_args(module) == GPT_OSS_ARGS and isinstance(getattr(module, "down_proj", None), torch.Tensor):
+            has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
+            return interface_spec(name, module, has_bias=has_bias, is_transposed=True, is_concatenated=False)
         return None
 
     def label(self, spec: ExpertsSpec) -> str:
