@@ -177,10 +177,7 @@ def _experts_forward(self, runtime: LayerRuntime, hidden_states, top_k_index, to
 def _fused_experts(runtime: LayerRuntime, slot: int, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """One layer through the Triton multi-buffer kernel: local experts' launch first, then the wait
     for this slot's copies, then the remote experts' launch."""
-    from .kernels import moe_experts
-
     prefetcher, layer = runtime.prefetcher, runtime.layer
-    tables = runtime.kernel_tables[slot]
     waited = []
 
     def wait_for_remote() -> None:
@@ -189,11 +186,50 @@ def _fused_experts(runtime: LayerRuntime, slot: int, hidden_states, top_k_index,
 
     if prefetcher.landed(layer, slot):
         wait_for_remote()  # returns at once: one launch pair over every expert, no local-first split
-    out = moe_experts(hidden_states.contiguous(), runtime.position[top_k_index], top_k_weights, tables.first,
-                      tables.down, first_bias=tables.first_bias, down_bias=tables.down_bias, epilogue=runtime.epilogue,
-                      split_at=None if waited else runtime.num_local, on_local_done=None if waited else wait_for_remote,
-                      first_scales=tables.first_scales, down_scales=tables.down_scales,
-                      fp8_activations=tables.fp8_activations)
+    out = _kernel_call(runtime, slot, hidden_states, top_k_index, top_k_weights, split=not waited,
+                       on_local_done=wait_for_remote)
     if not waited:  # no rows at all: the kernel returned before its remote part
         wait_for_remote()
     return out
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """t, or a copy of it when its data does not start on 16 bytes (Triton specialises pointers on that)."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _kernel_call(runtime: LayerRuntime, slot: int, hidden_states, top_k_index, top_k_weights, *, split: bool,
+                 on_local_done) -> torch.Tensor:
+    """moe_experts on this slot's tables, its inputs in one fixed form (contiguous, 16-byte aligned,
+    fp32 routing weights, int64 table positions), so that every launch of a layer specialises the same
+    way whatever the routing, the batch or the caller's dtypes: the forms `warm_kernel` compiles.
+    split: local experts first, then `on_local_done()`, then the rest; else every expert in one launch."""
+    from .kernels import moe_experts
+
+    tables = runtime.kernel_tables[slot]
+    hidden = _aligned(hidden_states.contiguous())                     # [T, H]
+    positions = runtime.position[top_k_index]                         # [T, k] int64 table positions
+    weights = _aligned(top_k_weights.to(torch.float32).contiguous())  # [T, k]
+    return moe_experts(hidden, positions, weights, tables.first, tables.down, first_bias=tables.first_bias,
+                       down_bias=tables.down_bias, epilogue=runtime.epilogue,
+                       split_at=runtime.num_local if split else None, on_local_done=on_local_done if split else None,
+                       first_scales=tables.first_scales, down_scales=tables.down_scales,
+                       fp8_activations=tables.fp8_activations)
+
+
+def warm_kernel(runtime: LayerRuntime, dtype: torch.dtype, top_k: int, num_tokens: int = 64, seed: int = 0) -> int:
+    """Launch this layer's experts kernel in each form a forward can launch it (every expert at once:
+    its copies had landed; local experts first, then the rest: they had not) on seeded random inputs
+    through the slot-0 tables; returns the number of moe_experts calls. Nothing is waited for and the
+    outputs are discarded: the point is that Triton compiles (or loads) each specialisation now."""
+    tables = runtime.kernel_tables[0]
+    device = runtime.position.device
+    num_experts = len(runtime.table_order)
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(num_tokens, tables.first.shape[1], generator=gen).to(device=device, dtype=dtype)  # [T, H]
+    index = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)                              # [T, k]
+    router_ids = torch.tensor(runtime.table_order)[index].to(device)  # router ids whose positions are `index`
+    weights = torch.rand(num_tokens, top_k, generator=gen).to(device)  # [T, k]
+    for split in (False, True):
+        _kernel_call(runtime, 0, hidden, router_ids, weights, split=split, on_local_done=lambda: None)
+    return 2

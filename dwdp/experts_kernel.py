@@ -71,6 +71,23 @@ def identify_epilogue(layer: ExpertsLayer):
     return None
 
 
+# Triton specialises an int argument on being 1 and on divisibility by 16: one top-k of each form
+# compiles every specialisation a routing's top-k can select.
+TOP_K_FORMS = (1, 2, 16)
+_TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "moe_top_k", "top_k_experts", "num_experts_per_token")
+
+
+def routing_top_k(model: torch.nn.Module) -> int | None:
+    """Experts per token of `model`'s router as its config states it (text sub-config included), or None."""
+    config = getattr(model, "config", None)
+    for cfg in (config, getattr(config, "text_config", None), getattr(config, "ffn_config", None)):
+        for field in _TOP_K_FIELDS:
+            value = getattr(cfg, field, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
 def kernel_blocker(layer: ExpertsLayer) -> str | None:
     """Why the Triton kernel cannot run this layer, or None when it can."""
     spec: ExpertsSpec = layer.spec

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import socket
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from .adapters import ExpertsLayer, find_experts, route_experts
 from .config import DWDPConfig
 from .expert_tensors import ExpertsSpec
 from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, dwdp_experts_forward
-from .experts_kernel import choose_experts_kernel, epilogue_of, kernel_weight_tables
+from .experts_kernel import TOP_K_FORMS, choose_experts_kernel, epilogue_of, kernel_weight_tables, routing_top_k
 from .failover import Failover, FailoverStatus
 from .group import DWDPGroup, init_group
 from .liveness import close_records, exchange_records
@@ -290,6 +291,36 @@ class DWDPModel(ModelWrapper):
     @property
     def stats(self):
         return self.prefetcher.stats
+
+    def warmup(self, forward: bool = True) -> float:
+        """Pay every first-call cost before serving; returns the seconds it took (also `warmup_s`).
+
+        The Triton experts kernel compiles a specialisation the first time a launch meets it, which
+        would stall whichever request met it first: every layer launches here in each form a forward
+        can launch it (all experts at once, and local experts first then the rest) with the routing's
+        top-k (or each form Triton distinguishes for it when the config does not say). forward: also run
+        one forward of a short random prompt (the model's own first-call costs: library handles, caches).
+        """
+        from .experts import warm_kernel
+
+        start = time.perf_counter()
+        embeddings = self.model.get_input_embeddings().weight  # [V, H]: the activations' dtype and device
+        calls = 0
+        if self.experts_kernel in ("triton", "triton_fp8"):
+            top_k = routing_top_k(self.model)
+            for layer in self.experts_layers:
+                for k in (top_k,) if top_k else TOP_K_FORMS:
+                    calls += warm_kernel(layer.module._dwdp_runtime, embeddings.dtype, k)
+        if forward:
+            ids = torch.randint(3, embeddings.shape[0], (1, 16), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                self(input_ids=ids.to(embeddings.device))
+        if embeddings.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.warmup_s = time.perf_counter() - start
+        log.info("rank %d: warm in %.2f s (%d experts-kernel calls%s)", self.group.rank, self.warmup_s, calls,
+                 ", one forward" if forward else "")
+        return self.warmup_s
 
     def check_peers(self) -> FailoverStatus:
         """Read the peers' liveness now (forwards also do, as they start), re-plan around any loss,
