@@ -27,9 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", metavar="PATH", help="also write the table, the machine and its load average to PATH")
     demo.add_argument("--family", default="deepseek_v3",
                       help="MoE family of the tiny model (a transformers.models package; `dwdp families` lists them)")
-    demo.add_argument("--dtype", choices=("fp32", "fp8", "mxfp4"), default="fp32",
-                      help="experts' weights: fp32, fp8 with 128x128 block scales, or MXFP4; checked against the "
-                           "unwrapped model on the same quantized weights (default fp32)")
+    demo.add_argument("--dtype", choices=("fp32", "bf16", "fp8", "mxfp4"), default=None,
+                      help="experts' weights: fp32, bf16, fp8 with 128x128 block scales, or MXFP4; checked against "
+                           "the unwrapped model on the same quantized weights (default fp32 on CPU, bf16 on CUDA)")
+    demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                      help="cpu (host backend) or cuda: rank r on cuda:(r %% GPUs), cuda backend, bf16 (default cpu)")
     families = sub.add_parser("families", help="the MoE families of the installed transformers and how dwdp wraps each")
     families.add_argument("--markdown", action="store_true", help="print the README's family block")
     tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
@@ -75,6 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
     serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
+    serve.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="cpu (host backend) or cuda: worker r on cuda:(r %% GPUs), cuda backend (default cpu)")
+    serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                       help="model dtype (default bf16 on cuda, fp32 on cpu)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from .bench_compare import add_arguments as add_compare_arguments
@@ -133,8 +139,14 @@ def main(argv: list[str] | None = None) -> int:
             family(args.family)
         except ValueError as exc:
             raise SystemExit(f"dwdp demo: --{exc}") from None
-        return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed, args.timeout,
-                        args.trace, args.json, args.family, args.dtype)
+        from .devices import NoGpu
+
+        try:
+            return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed,
+                            args.timeout, args.trace, args.json, args.family, args.dtype, args.device)
+        except NoGpu as exc:
+            print(exc, file=sys.stderr)
+            return 2
     if args.command == "families":
         from .coverage import README_BEGIN, README_END, all_families, markdown
 
@@ -158,9 +170,18 @@ def main(argv: list[str] | None = None) -> int:
                 max_body_bytes=args.max_body_bytes, kv_dir=args.kv_dir, slice_bytes=args.slice_bytes,
                 expert_replicas=args.expert_replicas, peer_timeout_s=args.peer_timeout,
                 stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
-                threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout)
+                threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
+                dtype=args.dtype)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
+        if config.device == "cuda":
+            from .devices import NoGpu, require_gpu
+
+            try:
+                require_gpu("dwdp serve")
+            except NoGpu as exc:
+                print(exc, file=sys.stderr)
+                return 2
         return run_server(config)
     if args.command == "bench" and args.bench == "compare":
         from .bench_compare import run_compare

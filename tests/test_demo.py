@@ -31,7 +31,7 @@ def test_demo_runs_and_every_rank_matches(tmp_path):
     assert [r["bytes_prefetched"] for r in rows] == [DEMO_BYTES_PER_FORWARD] * 2, rows
     assert [r["local_expert_bytes"] for r in rows] == [4 * 8 * DEMO_EXPERT_BYTES] * 2, rows
     for line, r in zip(table, rows):
-        assert line.split()[:3] == [str(r["rank"]), str(r["tokens"]), f"{r['tokens_per_s']:.0f}"], (line, r)
+        assert line.split()[:4] == [str(r["rank"]), "cpu", str(r["tokens"]), f"{r['tokens_per_s']:.0f}"], (line, r)
 
 
 def test_cli_rejects_bad_rank_count():

@@ -320,6 +320,35 @@ def test_metrics_in_prometheus_text(server):
 
 
 @pytest.mark.timeout(30)
+def test_health_and_metrics_name_each_workers_device_and_memory(server):
+    """Each worker reports where it runs, what it holds there, and how long it took to be ready (warmed up)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from dwdp.demo import DEMO_MODEL
+
+    # Tiny preset: per MoE layer 16 experts of gate_up [2I, H] + down [H, I] fp32; ceil(16 / 3) = 6 local per
+    # rank, and each of the two prefetch slots holds the 10 others of one layer.
+    layers = DEMO_MODEL["num_layers"] - 1  # the first layer is dense
+    expert = 3 * DEMO_MODEL["hidden"] * DEMO_MODEL["intermediate"] * 4
+    num_local = -(-DEMO_MODEL["num_experts"] // RANKS)
+    local, slots = layers * num_local * expert, 2 * (DEMO_MODEL["num_experts"] - num_local) * expert
+    workers = httpx.get(f"{server.url}/health").json()["workers"]
+    for w in workers:
+        assert (w["device"], w["backend"], w["experts_kernel"], w["dtype"]) == ("cpu", "host", "reference", "float32"), w
+        assert w["local_expert_bytes"] == local and w["prefetch_buffer_bytes"] == slots, (w, local, slots)
+        assert 0 < w["warmup_s"] < w["ready_s"], w
+    samples = {}
+    for family in text_string_to_metric_families(httpx.get(f"{server.url}/metrics").text):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append(s)
+    devices = sorted((s.labels["rank"], s.labels["device"], s.labels["backend"]) for s in samples["dwdp_serve_worker_device"])
+    assert devices == [(str(r), "cpu", "host") for r in range(RANKS)], devices
+    by_rank = {s.labels["rank"]: s.value for s in samples["dwdp_serve_local_expert_bytes"]}
+    assert by_rank == {str(r): float(local) for r in range(RANKS)}, by_rank
+    assert all(s.value > 0 for s in samples["dwdp_serve_worker_ready_seconds"]), samples["dwdp_serve_worker_ready_seconds"]
+
+
+@pytest.mark.timeout(30)
 def test_fault_injection_is_off_unless_asked_for(server):
     r = post(server, "/admin/fault", {"rank": 1})
     assert r.status_code == 404 and "--fault-injection" in r.json()["error"]["message"], r.text

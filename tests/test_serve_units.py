@@ -104,7 +104,7 @@ def _pool(ranks: int = 3, stall_timeout_s: float = 2.0):
     pool = WorkerPool(ServeConfig(ranks=ranks, stall_timeout_s=stall_timeout_s), kv_dir="unused")
     for r in range(ranks):
         pool._ranks.append(_Rank(r, process=None, requests=queue.Queue()))
-        pool._handle(WorkerReady(r, 1000 + r, {}))
+        pool._handle(WorkerReady(r, 1000 + r, {}, {}))
     return pool
 
 
@@ -180,6 +180,7 @@ def test_a_forward_failing_for_lost_experts_answers_retryable_and_reports_at_onc
 
     class Degraded:
         stats = SimpleNamespace(wait_s=0.0)
+        device = torch.device("cpu")
 
         def __call__(self, **inputs):
             raise ExpertsUnavailable(why, (4,), dict(status.lost))

@@ -40,7 +40,10 @@ class ServeConfig:
         speaks again; its queued requests wait for it.
     fault_injection: enable POST /admin/fault (make one rank's memory unreadable), for chaos tests.
     threads_per_worker: torch intra-op threads of each worker.
-    startup_timeout_s: longest wait for every worker to build its model and join the group.
+    startup_timeout_s: longest wait for every worker to build its model, warm it up and join the group.
+    device: "cpu" (host backend) or "cuda": worker rank r on cuda:(r % GPUs), cuda backend (several
+        workers may share a GPU).
+    dtype: the model's dtype, "fp32" / "bf16" / "fp16" (None: bf16 on CUDA, fp32 on CPU).
     drain_timeout_s: longest graceful shutdown waits for requests in flight.
     """
 
@@ -63,6 +66,8 @@ class ServeConfig:
     threads_per_worker: int = 1
     startup_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
+    device: str = "cpu"
+    dtype: str | None = None
 
     def __post_init__(self):
         _check_int("ranks", self.ranks, 1)
@@ -87,6 +92,10 @@ class ServeConfig:
         _check_int("threads_per_worker", self.threads_per_worker, 1)
         _check_seconds("startup_timeout_s", self.startup_timeout_s)
         _check_seconds("drain_timeout_s", self.drain_timeout_s)
+        from ..devices import check_device, model_dtype
+
+        check_device(self.device)
+        model_dtype(self.device, self.dtype)  # validates dtype
 
     @property
     def health_interval_s(self) -> float:

@@ -25,12 +25,13 @@ def request_cache(cache, row: int, pad: int) -> list[tuple[torch.Tensor, torch.T
     """One request's (keys, values) per layer out of a batched, left-padded cache.
 
     cache: transformers DynamicCache of a forward over [B, Tmax]; row: the request's batch row;
-    pad: its left-padding, so its tokens are positions [pad, Tmax). Returns [1, Hkv, T, D] pairs.
+    pad: its left-padding, so its tokens are positions [pad, Tmax). Returns [1, Hkv, T, D] pairs on the
+    CPU (the artifact is a file: a GPU worker's cache comes to host memory here).
     """
     layers = []
     for layer in cache.layers:
-        keys = layer.keys[row : row + 1, :, pad:].contiguous()      # [1, Hkv, T, Dk]
-        values = layer.values[row : row + 1, :, pad:].contiguous()  # [1, Hkv, T, Dv]
+        keys = layer.keys[row : row + 1, :, pad:].to("cpu").contiguous()      # [1, Hkv, T, Dk]
+        values = layer.values[row : row + 1, :, pad:].to("cpu").contiguous()  # [1, Hkv, T, Dv]
         layers.append((keys, values))
     return layers
 

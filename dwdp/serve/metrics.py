@@ -32,6 +32,12 @@ class _PoolCollector:
             "lost": ("dwdp_serve_lost_peers", "peers the worker has declared lost", "num_lost_peers"),
             "unservable": ("dwdp_serve_unservable_experts", "experts the worker can no longer reach",
                            "num_unservable_experts"),
+            "local_experts": ("dwdp_serve_local_expert_bytes", "bytes of the worker's local experts on its device",
+                              "local_expert_bytes"),
+            "prefetch": ("dwdp_serve_prefetch_buffer_bytes", "bytes of the worker's prefetch buffers on its device",
+                         "prefetch_buffer_bytes"),
+            "ready": ("dwdp_serve_worker_ready_seconds", "seconds from the worker's start to ready (model built, "
+                      "kernels compiled, warmed up)", "ready_s"),
         }
         counters = {
             "served": ("dwdp_serve_requests", "requests a worker answered", "served_requests"),
@@ -55,6 +61,13 @@ class _PoolCollector:
             for family, key in zip(families, keys):
                 family.add_metric([str(worker["rank"])], float(counts.get(key, worker.get(key, 0))))
         yield from families
+        device = GaugeMetricFamily("dwdp_serve_worker_device", "1 for the device and backend each worker runs on",
+                                   labels=["rank", "device", "backend", "experts_kernel"])
+        for worker in snap["workers"]:
+            if "device" in worker:
+                device.add_metric([str(worker["rank"]), worker["device"], worker["backend"], worker["experts_kernel"]],
+                                  1.0)
+        yield device
         yield GaugeMetricFamily("dwdp_serve_tokens_per_second", "prompt tokens prefilled per second, all workers, "
                                 "averaged over the last 10 s", value=snap["tokens_per_s"])
         yield GaugeMetricFamily("dwdp_serve_in_flight_requests", "admitted requests not answered yet",

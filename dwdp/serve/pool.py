@@ -70,6 +70,7 @@ class _Rank:
     prefetch_wait_s: float = 0.0                        # exposed prefetch wait of its forwards
     forwards: int = 0
     health: dict = field(default_factory=dict)          # its latest failover status (WorkerHealth)
+    info: dict = field(default_factory=dict)            # its device and memory, from WorkerReady
     last_heard: float = 0.0                             # monotonic time of its latest message
     is_stalled: bool = False                            # silent for longer than stall_timeout_s
 
@@ -100,6 +101,12 @@ class WorkerPool:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
         """Spawn the workers and the threads that read their answers and watch their health."""
+        if self.config.device == "cuda":
+            from ..devices import require_gpu, sharing_line
+
+            line = sharing_line(self.config.ranks, require_gpu("dwdp serve"))
+            if line:
+                log.info("%s", line)
         port = free_port()
         for rank in range(self.config.ranks):
             requests = self._ctx.Queue()
@@ -246,7 +253,7 @@ class WorkerPool:
                 self._changed.notify_all()
             elif isinstance(msg, WorkerReady):
                 r = self._ranks[msg.rank]
-                r.pid, r.is_ready = msg.pid, True
+                r.pid, r.is_ready, r.info = msg.pid, True, msg.worker
                 self.model_info = self.model_info or msg.model_info
                 self._changed.notify_all()
             elif isinstance(msg, WorkerFailed):
@@ -373,6 +380,7 @@ class WorkerPool:
                 "retried_slices": r.health.get("retried_slices", 0),
                 "unservable_experts": list(r.health.get("unservable_experts", ())),
                 "device_lost": r.health.get("device_lost"),
+                **r.info,
             } for r in self._ranks]
             routable = sum(w["routable"] for w in workers)
             if self._is_draining:

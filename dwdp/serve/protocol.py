@@ -25,6 +25,7 @@ class WorkerReady:
     rank: int
     pid: int
     model_info: dict            # vocab_size, max_position_embeddings, num_layers, model_type, memory
+    worker: dict                # this worker's device, dtype, expert and buffer bytes, warmup and ready seconds
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,20 @@ def model_info(model) -> dict:
             "full_expert_bytes": model.memory.full_expert_bytes}
 
 
+def worker_info(model, ready_s: float) -> dict:
+    """What this worker runs on and what it holds there, for /health and /metrics."""
+    device = model.model.get_input_embeddings().weight.device
+    info = {"device": str(device), "backend": model.backend, "experts_kernel": model.experts_kernel,
+            "dtype": str(model.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
+            "local_expert_bytes": model.memory.local_expert_bytes,
+            "prefetch_buffer_bytes": model.memory.prefetch_buffer_bytes,
+            "warmup_s": getattr(model, "warmup_s", 0.0), "ready_s": ready_s}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["gpu_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
+    return info
+
+
 def health_message(model, rank: int) -> WorkerHealth:
     """This rank's failover status, after reading its peers' liveness now."""
     status = model.check_peers()
@@ -112,10 +126,12 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
     results.put(BatchStarted(rank, tuple(job.request_id for job in batch)))
     started = time.monotonic()
     ids, mask, positions, pads = pad_left([job.input_ids for job in batch])
+    device = model.device  # the wrapped model's own device
     wait_before = model.stats.wait_s
     try:
         with torch.inference_mode():
-            out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                        use_cache=True, logits_to_keep=1)
         first = out.logits[:, -1].argmax(-1).tolist()  # [B] greedy first tokens from logits [B, 1, V]
     except RankDegraded as exc:  # lost experts or device: another rank can still serve these prompts
         for job in batch:
@@ -185,20 +201,27 @@ def _control(model, rank: int, message, results) -> bool:
     return False
 
 
-def build_worker_model(config: ServeConfig):
-    """This rank's DWDPModel; joins the env:// world, so every rank must call it together."""
+def build_worker_model(config: ServeConfig, rank: int):
+    """This rank's DWDPModel on its device, warmed up (no kernel compiles once it serves); joins the
+    env:// world, so every rank must call it together."""
     from ..config import DWDPConfig
+    from ..devices import model_dtype, rank_device
     from ..group import init_group
     from ..model import DWDPModel
 
-    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="host", expert_replicas=config.expert_replicas,
-                             peer_timeout_s=config.peer_timeout_s)
+    device = rank_device(config.device, rank)
+    dtype = model_dtype(config.device, config.dtype)
+    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="cuda" if device.type == "cuda" else "host",
+                             expert_replicas=config.expert_replicas, peer_timeout_s=config.peer_timeout_s)
     group = init_group()
     if config.model is not None:
-        return DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group)
-    from .presets import preset_model
+        model = DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group, dtype=dtype, device=device)
+    else:
+        from .presets import preset_model
 
-    return DWDPModel(preset_model(config.preset, config.seed), dwdp_config, group)
+        model = DWDPModel(preset_model(config.preset, config.seed, dtype).to(device), dwdp_config, group)
+    model.warmup()
+    return model
 
 
 def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfig, kv_dir: str,
@@ -212,9 +235,10 @@ def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfi
     import torch.distributed as dist
 
     model = reporter = None
+    started = time.monotonic()
     try:
-        model = build_worker_model(config)
-        results.put(WorkerReady(rank, os.getpid(), model_info(model)))
+        model = build_worker_model(config, rank)
+        results.put(WorkerReady(rank, os.getpid(), model_info(model), worker_info(model, time.monotonic() - started)))
         reporter = HealthReporter(model, rank, results, config.health_interval_s).start()
         serve_queue(model, rank, config, kv_dir, requests, results)
     except BaseException:
