@@ -22,6 +22,9 @@ needed, over a gloo group):
      'kernel' checksumming its slot on the device
   g  fp8 experts (128 x 128 block scales): the kernel's bf16 dots and fp8 x fp8 dots against their
      references, TFLOP/s of both next to the same experts in bf16
+  h  `dwdp serve --device cuda`, two workers: time to ready, TTFT p50/p99 and tokens/s under an
+     open-loop load through the openai client, worst of the first 50 forwards after ready against
+     their median (needs the serve extras: bench/gpu_wheels.sh fetches them for a machine without network)
 One GPU measures copies inside one device's memory, not NVLink: NVLink stays unmeasured here.
 
 Prints versions first and a table last; writes bench/results/gpu_check_<gpu>.json; exits 1 on any
@@ -38,11 +41,12 @@ from pathlib import Path
 
 import torch
 
-from gpu_checks import a_copy, b_ipc, c_overlap, d_model, e_kernel, f_war, g_fp8
+from gpu_checks import a_copy, b_ipc, c_overlap, d_model, e_kernel, f_war, g_fp8, h_serve
 from gpu_checks.common import RESULTS, code_version, versions
 
 # Letter -> section module (KEY, run(sections) -> dict, summary(section) -> rows), in run order.
-SECTIONS = {"a": a_copy, "b": b_ipc, "c": c_overlap, "d": d_model, "e": e_kernel, "f": f_war, "g": g_fp8}
+SECTIONS = {"a": a_copy, "b": b_ipc, "c": c_overlap, "d": d_model, "e": e_kernel, "f": f_war, "g": g_fp8,
+            "h": h_serve}
 
 
 def _summary(sections: dict) -> list[tuple[str, str, str, str]]:

@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "least-outstanding-tokens router (FastAPI)")
     served = serve.add_mutually_exclusive_group()
     served.add_argument("--model", metavar="PATH", help="safetensors checkpoint directory, loaded per rank")
-    served.add_argument("--preset", choices=("tiny",), default="tiny", help="random-weight model (default tiny)")
+    served.add_argument("--preset", choices=("tiny", "small"), default="tiny",
+                        help="random-weight model: tiny (the demo's) or small (a Qwen3-MoE shape for GPUs); default tiny")
     serve.add_argument("--ranks", type=_positive_int, default=2, help="worker processes / DWDP ranks (default 2)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PRESETS = ("tiny",)
+PRESETS = ("tiny", "small")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -22,7 +22,8 @@ class ServeConfig:
 
     ranks: worker processes, all in one DWDP group (each an independent prefill worker).
     model: checkpoint directory loaded per rank with DWDPModel.from_pretrained; None = `preset`.
-    preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model), seeded by `seed`.
+    preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model; "small": a
+        Qwen3-MoE shape with 384 MiB of bf16 experts, for GPUs), seeded by `seed`.
     tokenizer: directory of a tokenizer for text prompts (default: `model` when it has one).
     max_num_tokens: padded tokens per forward (batch size x longest prompt); also the longest
         prompt accepted: longer prompts are rejected with 400, not chunked.

@@ -35,6 +35,7 @@ from .worker import worker_main
 log = logging.getLogger("dwdp")
 
 THROUGHPUT_WINDOW_S = 10.0  # tokens/s is averaged over this many recent seconds
+FIRST_FORWARDS = 64  # forwards after ready whose times /health keeps: a stall after start shows there
 RETRY_AFTER_S = 1
 
 
@@ -71,6 +72,7 @@ class _Rank:
     forwards: int = 0
     health: dict = field(default_factory=dict)          # its latest failover status (WorkerHealth)
     info: dict = field(default_factory=dict)            # its device and memory, from WorkerReady
+    first_forwards: list = field(default_factory=list)  # (seconds, padded tokens) of its first forwards
     last_heard: float = 0.0                             # monotonic time of its latest message
     is_stalled: bool = False                            # silent for longer than stall_timeout_s
 
@@ -277,6 +279,8 @@ class WorkerPool:
                 r = self._ranks[msg.rank]
                 r.forwards += 1
                 r.prefetch_wait_s += msg.prefetch_wait_s
+                if len(r.first_forwards) < FIRST_FORWARDS:
+                    r.first_forwards.append((msg.prefill_s, msg.padded_tokens))
             elif isinstance(msg, PrefillError) and msg.retryable:
                 req, outcome = self._hand_on_locked(msg)
             elif isinstance(msg, PrefillError):
@@ -380,6 +384,8 @@ class WorkerPool:
                 "retried_slices": r.health.get("retried_slices", 0),
                 "unservable_experts": list(r.health.get("unservable_experts", ())),
                 "device_lost": r.health.get("device_lost"),
+                "first_forwards_ms": [round(s * 1e3, 3) for s, _ in r.first_forwards],
+                "first_forwards_tokens": [n for _, n in r.first_forwards],
                 **r.info,
             } for r in self._ranks]
             routable = sum(w["routable"] for w in workers)
