@@ -77,6 +77,20 @@ TOP_K_FORMS = (1, 2, 16)
 _TOP_K_FIELDS = ("num_experts_per_tok", "moe_topk", "moe_k", "moe_top_k", "top_k_experts", "num_experts_per_token")
 
 
+def compiled_specialisations() -> int:
+    """Specialisations of the experts kernel this process has compiled (or loaded from Triton's disk
+    cache) so far; 0 where Triton is absent or interprets. A count that grows after warm-up means a
+    launch met a form warm-up did not compile, and stalled while it compiled."""
+    import importlib
+
+    try:
+        kernel = importlib.import_module("dwdp.kernels.grouped_gemm")._grouped_gemm_kernel
+    except ImportError:
+        return 0
+    caches = getattr(kernel, "device_caches", None) or {}
+    return sum(len(entry[0]) for entry in caches.values())
+
+
 def routing_top_k(model: torch.nn.Module) -> int | None:
     """Experts per token of `model`'s router as its config states it (text sub-config included), or None."""
     config = getattr(model, "config", None)

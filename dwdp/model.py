@@ -24,7 +24,8 @@ from .adapters import ExpertsLayer, find_experts, route_experts
 from .config import DWDPConfig
 from .expert_tensors import ExpertsSpec
 from .experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, dwdp_experts_forward
-from .experts_kernel import TOP_K_FORMS, choose_experts_kernel, epilogue_of, kernel_weight_tables, routing_top_k
+from .experts_kernel import (TOP_K_FORMS, choose_experts_kernel, compiled_specialisations, epilogue_of,
+                             kernel_weight_tables, routing_top_k)
 from .failover import Failover, FailoverStatus
 from .group import DWDPGroup, init_group
 from .liveness import close_records, exchange_records
@@ -292,6 +293,12 @@ class DWDPModel(ModelWrapper):
     def stats(self):
         return self.prefetcher.stats
 
+    @property
+    def compiles_after_warmup(self) -> int | None:
+        """Experts-kernel specialisations compiled since `warmup()` (None before it): 0 while serving."""
+        at_warmup = getattr(self, "compiled_at_warmup", None)
+        return None if at_warmup is None else compiled_specialisations() - at_warmup
+
     def warmup(self, forward: bool = True) -> float:
         """Pay every first-call cost before serving; returns the seconds it took (also `warmup_s`).
 
@@ -317,6 +324,7 @@ class DWDPModel(ModelWrapper):
                 self(input_ids=ids.to(embeddings.device))
         if embeddings.device.type == "cuda":
             torch.cuda.synchronize()
+        self.compiled_at_warmup = compiled_specialisations()
         self.warmup_s = time.perf_counter() - start
         log.info("rank %d: warm in %.2f s (%d experts-kernel calls%s)", self.group.rank, self.warmup_s, calls,
                  ", one forward" if forward else "")

@@ -1,5 +1,44 @@
-"""Test-wide settings. TRITON_INTERPRET must be set before any Triton kernel is defined."""
+"""Test-wide settings: the same suite on a CPU machine and on a GPU machine.
+
+Triton kernels run compiled wherever a CUDA GPU is usable and in the CPU interpreter only without one
+(TRITON_INTERPRET must be set before any Triton kernel is defined, so it is decided here). Markers
+(declared in pyproject.toml):
+  gpu             needs a CUDA GPU (`pytest -m gpu` runs these alone); skipped without one
+  interpreter     runs Triton kernels on CPU tensors, which only the interpreter can; on a GPU machine
+                  the gpu tests run the same kernels compiled instead
+  no_cuda_driver  checks what a machine without a usable CUDA driver answers; skipped where one exists
+"""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
+
+HAS_GPU = torch.cuda.is_available()
+if not HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Modules whose kernel tests run Triton on CPU tensors.
+INTERPRETER_MODULES = {"test_grouped_gemm.py", "test_moe_kernel.py", "test_fp8_kernel.py", "test_experts_kernel.py",
+                       "test_local_first.py"}
+
+
+def _has_cuda_driver() -> bool:
+    from dwdp.transport import cuda_api
+
+    return cuda_api.probe().usable
+
+
+def pytest_collection_modifyitems(config, items):
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
+    has_driver = _has_cuda_driver()
+    for item in items:
+        if item.path.name in INTERPRETER_MODULES:
+            item.add_marker(pytest.mark.interpreter)
+        if "gpu" in item.keywords and not HAS_GPU:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
+        if "interpreter" in item.keywords and not interpreting:
+            item.add_marker(pytest.mark.skip(reason="runs Triton on CPU tensors (interpreter); with a GPU the gpu "
+                                                    "tests run these kernels compiled"))
+        if "no_cuda_driver" in item.keywords and has_driver:
+            item.add_marker(pytest.mark.skip(reason="checks a machine without a CUDA driver; this one has one"))

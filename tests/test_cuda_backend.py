@@ -36,6 +36,7 @@ def test_cuda_backend_needs_a_cuda_model():
     assert resolve_backend("auto", "cuda:0") == "cuda" and resolve_backend("auto", "cpu") == "host"
 
 
+@pytest.mark.no_cuda_driver
 def test_cuda_transport_on_a_machine_without_a_driver_is_one_clear_error():
     with pytest.raises(NoCudaDriverError, match="no usable CUDA device .*backend='host'"):
         make_transport("cuda", 0, DWDPConfig(backend="cuda"), device=torch.device("cuda", 0))
@@ -47,6 +48,18 @@ def test_cuda_config_knobs_are_validated(field, value):
         DWDPConfig(**{field: value})
 
 
+@pytest.mark.no_cuda_driver
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(command):
+    done = subprocess.run([sys.executable, "-m", "dwdp", command, "--device", "cuda"], capture_output=True, text=True,
+                          timeout=120)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr[-2000:])
+    assert len(lines) == 1 and lines[0].startswith(f"dwdp {command}: --device cuda but this machine has no usable "
+                                                   "CUDA GPU") and "use --device cpu" in lines[0], lines
+
+
+@pytest.mark.no_cuda_driver
 def test_gpu_check_on_a_cpu_machine_says_so_in_one_line():
     done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py")], capture_output=True, text=True,
                           timeout=120)

@@ -181,6 +181,7 @@ def test_a_forward_failing_for_lost_experts_answers_retryable_and_reports_at_onc
     class Degraded:
         stats = SimpleNamespace(wait_s=0.0)
         device = torch.device("cpu")
+        compiles_after_warmup = 0
 
         def __call__(self, **inputs):
             raise ExpertsUnavailable(why, (4,), dict(status.lost))

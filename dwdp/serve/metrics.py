@@ -36,6 +36,9 @@ class _PoolCollector:
                               "local_expert_bytes"),
             "prefetch": ("dwdp_serve_prefetch_buffer_bytes", "bytes of the worker's prefetch buffers on its device",
                          "prefetch_buffer_bytes"),
+            "compiles": ("dwdp_serve_kernel_compiles_after_ready", "experts-kernel specialisations the worker "
+                         "compiled after it was ready (each stalled a forward; 0 when warm-up covered every form)",
+                         "kernel_compiles_after_ready"),
             "ready": ("dwdp_serve_worker_ready_seconds", "seconds from the worker's start to ready (model built, "
                       "kernels compiled, warmed up)", "ready_s"),
         }

@@ -384,6 +384,7 @@ class WorkerPool:
                 "retried_slices": r.health.get("retried_slices", 0),
                 "unservable_experts": list(r.health.get("unservable_experts", ())),
                 "device_lost": r.health.get("device_lost"),
+                "kernel_compiles_after_ready": r.health.get("kernel_compiles_after_ready") or 0,
                 "first_forwards_ms": [round(s * 1e3, 3) for s, _ in r.first_forwards],
                 "first_forwards_tokens": [n for _, n in r.first_forwards],
                 **r.info,

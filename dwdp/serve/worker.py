@@ -93,7 +93,8 @@ def worker_info(model, ready_s: float) -> dict:
 def health_message(model, rank: int) -> WorkerHealth:
     """This rank's failover status, after reading its peers' liveness now."""
     status = model.check_peers()
-    return WorkerHealth(rank, {**dataclasses.asdict(status), "can_serve_all": status.can_serve_all})
+    return WorkerHealth(rank, {**dataclasses.asdict(status), "can_serve_all": status.can_serve_all,
+                               "kernel_compiles_after_ready": model.compiles_after_warmup})
 
 
 class HealthReporter:

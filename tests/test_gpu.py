@@ -1,0 +1,119 @@
+"""On a CUDA GPU (skipped without one; `pytest -m gpu` runs these alone): the compiled experts kernel
+against the unwrapped model for every family the README's table puts on the Triton path, a 2-rank
+DWDPModel on the cuda backend (both ranks on one GPU when there is only one) against the unwrapped
+model with no kernel compile after warm-up, `dwdp demo --device cuda`, and `dwdp serve --device cuda`
+answering the openai client. bf16 everywhere, held to the bound gpu_check and the demo use: the bf16
+tolerance, or twice transformers' own spread between its eager and grouped_mm experts paths."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dwdp.config import DWDPConfig
+from dwdp.devices import bf16_logits_bound, transformers_spread
+from dwdp.group import DWDPGroup, init_group, launch_local
+from dwdp.model import DWDPModel
+from dwdp.tiny import build_tiny_model
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+def _triton_families() -> list[str]:
+    """Families whose experts run the Triton kernel on CUDA, as the README's table generator finds them."""
+    if not torch.cuda.is_available():
+        return ["mixtral"]  # collected only; skipped without a GPU
+    from dwdp.coverage import all_families
+
+    return [r.family for r in all_families() if r.wraps and r.path == "Triton"]
+
+
+def _logits(out) -> torch.Tensor:
+    return (out.logits if getattr(out, "logits", None) is not None else out[0]).float()
+
+
+def _eager_reference(model, ids):
+    """(eager logits, transformers' own eager / grouped_mm spread) of the unwrapped model."""
+    def logits_of(m):
+        torch.manual_seed(0)
+        return _logits(m(input_ids=ids))
+
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    reference = logits_of(model)
+    return reference, transformers_spread(model, logits_of, reference)
+
+
+@pytest.mark.parametrize("family", _triton_families())
+def test_compiled_kernel_matches_the_unwrapped_model(family):
+    torch.manual_seed(0)
+    model = build_tiny_model(family, seed=3, dtype=torch.bfloat16, initializer_range=0.02).cuda()
+    ids = torch.randint(3, 128, (2, 37), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        reference, spread = _eager_reference(model, ids)
+        with DWDPModel(model, DWDPConfig(experts_kernel="triton", backend="cuda"), DWDPGroup(0, 1)) as wrapped:
+            wrapped.warmup(forward=False)
+            torch.manual_seed(0)
+            got = _logits(wrapped(input_ids=ids))
+            assert wrapped.experts_kernel == "triton"
+    bound = bf16_logits_bound(reference.abs().max().item(), spread)
+    diff = (got - reference).abs().max().item()
+    assert diff <= bound, f"{family}: max |dlogits| {diff:.3e} > {bound:.3e} (transformers' own spread {spread:.3e})"
+
+
+def _two_rank(rank: int, family: str, forwards: int) -> dict:
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    group = init_group()
+    model = build_tiny_model(family, seed=5, dtype=torch.bfloat16, initializer_range=0.02, hidden=256,
+                             intermediate=512, num_experts=16, top_k=4).cuda()
+    ids = torch.randint(3, 128, (3, 64 + 16 * rank), generator=torch.Generator().manual_seed(rank)).cuda()
+    with torch.no_grad():
+        reference, spread = _eager_reference(model, ids)
+        with DWDPModel(model, DWDPConfig(backend="cuda", slice_bytes=64 << 10), group) as wrapped:
+            wrapped.warmup()
+            got = _logits(wrapped(input_ids=ids))
+            gen = torch.Generator().manual_seed(100 + rank)
+            for i in range(forwards):  # other batch shapes and routings: nothing may compile any more
+                shape = [(1, 1), (2, 9), (4, 130), (1, 513)][i % 4]
+                wrapped(input_ids=torch.randint(3, 128, shape, generator=gen).cuda())
+            torch.cuda.synchronize()
+            return dict(diff=(got - reference).abs().max().item(), scale=reference.abs().max().item(), spread=spread,
+                        copied=wrapped.stats.bytes_copied, kernel=wrapped.experts_kernel,
+                        compiles=wrapped.compiles_after_warmup)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_two_ranks_on_cuda_match_and_compile_nothing_after_warmup(family):
+    for rank, r in enumerate(launch_local(_two_rank, 2, (family, 12), timeout_s=280)):
+        bound = bf16_logits_bound(r["scale"], r["spread"])
+        assert r["diff"] <= bound, f"{family} rank {rank}: max |dlogits| {r['diff']:.3e} > {bound:.3e} ({r})"
+        assert r["kernel"] == "triton" and r["copied"] > 0, (rank, r)
+        assert r["compiles"] == 0, f"{family} rank {rank}: {r['compiles']} kernel compiles after warm-up"
+
+
+def test_demo_on_cuda():
+    done = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--device", "cuda", "--ranks", "2", "--repeats", "2"],
+                          capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "2/2 ranks match the unwrapped model" in done.stdout and "cuda backend" in done.stdout, done.stdout
+
+
+def test_serve_on_cuda_answers_the_openai_client(tmp_path):
+    pytest.importorskip("fastapi")
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    from dwdp.group import free_port
+    from dwdp.serve.launch import ServerProcess
+
+    args = ["--device", "cuda", "--ranks", "2", "--preset", "tiny", "--kv-dir", str(tmp_path)]
+    with ServerProcess(args, free_port(), startup_timeout_s=280, log_path=str(tmp_path / "log")) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="dwdp-tiny", prompt=[5, 6, 7, 8, 9], max_tokens=1)
+        health = httpx.get(f"{server.url}/health").json()
+    assert len(answer.choices) == 1 and answer.usage.prompt_tokens == 5, answer
+    workers = health["workers"]
+    expected = sorted(f"cuda:{r % torch.cuda.device_count()}" for r in range(2))
+    assert sorted(w["device"] for w in workers) == expected, workers
+    assert all(w["backend"] == "cuda" and w["dtype"] == "bfloat16" for w in workers), workers
+    assert all(w["kernel_compiles_after_ready"] == 0 for w in workers), workers
