@@ -108,9 +108,18 @@ class CopyPlan:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slices)
 
-    @property
+    @cached_property
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted({s.peer for s in self.slices}))
+
+    @cached_property
+    def bytes_per_peer(self) -> tuple[tuple[int, int], ...]:
+        """(source peer, bytes copied from it), by peer: what a submit adds to per-peer counters
+        without walking the slices again."""
+        totals: dict[int, int] = {}
+        for s in self.slices:
+            totals[s.peer] = totals.get(s.peer, 0) + s.nbytes
+        return tuple(sorted(totals.items()))
 
     def slices_per_expert(self) -> dict[int, int]:
         """Expert -> its number of slices (a fresh dict)."""

@@ -55,8 +55,8 @@ def test_copies_land_bit_exact_inside_their_slot(copy, has_batch, copy_batches, 
                 assert lo <= d and d + n <= hi, f"copy to {d:#x}+{n} outside the slot [{lo:#x}, {hi:#x})"
                 assert not own_lo <= s < own_hi, f"rank {rank} copies from its own segment at {s:#x}"
             calls = [c[1] for c in group.device.calls[start:] if c[0] == rank]
-            want = "memcpy_batch_async" if copy == "batch" and has_batch else "memcpy_async"
-            assert want in calls and ({"memcpy_batch_async", "memcpy_async"} - {want}).isdisjoint(calls), calls
+            want = "memcpy_prepared_batch" if copy == "batch" and has_batch else "memcpy_async"
+            assert want in calls and ({"memcpy_prepared_batch", "memcpy_async"} - {want}).isdisjoint(calls), calls
     group.close()
 
 
@@ -65,8 +65,9 @@ def _issued_copies(calls, rank):
     for r, name, args in calls:
         if r != rank:
             continue
-        if name == "memcpy_batch_async":
-            copies += list(zip(args[0], args[1], args[2]))
+        if name == "memcpy_prepared_batch":
+            batch = args[0]
+            copies += list(zip(batch.dsts, batch.srcs, batch.sizes))
         elif name == "memcpy_async":
             copies.append(args[:3])
     return copies
@@ -100,14 +101,14 @@ def test_transport_issues_one_batch_call_and_one_event_per_batch():
     group.transports[1].submit(plan, slot)
     calls = [(n, a) for r, n, a in group.device.calls[start:] if r == 1]
     batches = cut_batches(plan, 3)
-    issued = [a for n, a in calls if n == "memcpy_batch_async"]
-    assert [len(a[2]) for a in issued] == [b.stop - b.start for b in batches]
+    issued = [a[0] for n, a in calls if n == "memcpy_prepared_batch"]
+    assert [b.count for b in issued] == [b.stop - b.start for b in batches]
     # Each batch is followed by its event record on the copy stream, before the next batch.
     copy_stream = group.transports[1]._stream
-    order = [n for n, a in calls if n in ("memcpy_batch_async", "event_record", "stream_wait_event")
+    order = [n for n, a in calls if n in ("memcpy_prepared_batch", "event_record", "stream_wait_event")
              and copy_stream in a]
     assert order[0] == "stream_wait_event", order
-    assert order[1:] == ["memcpy_batch_async", "event_record"] * len(batches), order
+    assert order[1:] == ["memcpy_prepared_batch", "event_record"] * len(batches), order
     group.close()
 
 
@@ -206,7 +207,7 @@ def test_ticket_wait_is_one_stream_wait_on_the_compute_stream():
 def test_enqueue_error_fails_the_ticket_naming_layer_slot_and_peer(fail_index):
     group = Group(8, 3, copy_batches=1).open()
     plan = build_copy_plan(group.placement, 0, 2, 1, group.layout, 1000)
-    group.device.fail_next("memcpy_batch_async", batch_error(fail_index, len(plan.slices)))
+    group.device.fail_next("memcpy_prepared_batch", batch_error(fail_index, len(plan.slices)))
     slot = torch.empty(group.slot_nbytes(0), dtype=torch.uint8)  # alive until the device is done with it
     ticket = group.transports[0].submit(plan, slot)
     peer = plan.slices[fail_index].peer if fail_index is not None else None

@@ -10,8 +10,10 @@ Per layer, everything is ordered by events and the host never waits:
   compute stream:  wait ev[s][b] (Ticket.wait / wait_experts) -> kernels reading slot s
 A layer's cached slice plan is cut into batches where experts complete (`plan.cut_batches`);
 each batch is one cudaMemcpyBatchAsync (or one cudaMemcpyAsync per slice), and the event after
-it tells compute that the experts it completes have landed. Host waits (drain, close) poll the
-events against a deadline and name the peers still outstanding.
+it tells compute that the experts it completes have landed. The batches' copy arguments, the
+expert -> batch map and the batch events of a (plan, slot buffer) are built on its first submit
+and reused, so a later submit does no per-slice work on the host. Host waits (drain, close) poll
+the events against a deadline and name the peers still outstanding.
 
 Every device call goes through `api` (dwdp.transport.cuda_api by default), so tests drive this
 control logic with a recording fake on a CPU.
@@ -21,7 +23,9 @@ from __future__ import annotations
 import logging
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -32,16 +36,29 @@ from .base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout,
 log = logging.getLogger("dwdp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _IssuedBatch:
-    """One batch of a plan with its addresses resolved for one (slot buffer, peer mapping)."""
+    """One batch of a plan with its addresses resolved for one (slot buffer, peer mapping).
 
-    dsts: list
-    srcs: list
-    sizes: list
+    copies: the api's prepared arguments (`prepare_batch`: dsts, srcs, sizes), built once and
+    issued as they are on every submit of the plan."""
+
+    copies: object
     peers_of_copies: tuple[int, ...]  # source peer of each copy (names the peer of a failed copy)
     peers: tuple[int, ...]
     completes: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _PreparedPlan:
+    """What every submit of one plan into one slot buffer issues and hands its ticket, built on the
+    plan's first submit; later submits only enqueue it (no per-slice work on the host)."""
+
+    plan: CopyPlan
+    slot_ptr: int
+    batches: tuple[_IssuedBatch, ...]
+    expert_batch: Mapping[int, int]      # expert -> the batch that holds its last slice (read-only)
+    batch_peers: tuple[tuple[int, ...], ...]
 
 
 class CudaTicket:
@@ -51,8 +68,8 @@ class CudaTicket:
     at once; `synchronize` is the host wait (polling, with a deadline).
     """
 
-    def __init__(self, transport: "CudaTransport", plan: CopyPlan, events: list[int],
-                 expert_batch: dict[int, int], batch_peers: list[tuple[int, ...]]):
+    def __init__(self, transport: "CudaTransport", plan: CopyPlan, events: tuple[int, ...],
+                 expert_batch: Mapping[int, int], batch_peers: tuple[tuple[int, ...], ...]):
         self.plan = plan
         self.error: BaseException | None = None
         self.submitted_ns = time.perf_counter_ns()
@@ -199,8 +216,8 @@ class CudaTransport(Transport):
         self._peer_bases: dict[int, int] = {}  # peer -> the IPC base opened for it
         self._stream: int | None = None
         self._consume: dict[int, int] = {}      # slot -> consume event
-        self._slot_events: dict[int, list[int]] = {}  # slot -> one event per batch
-        self._issued: dict[tuple[int, int], tuple[CopyPlan, list[_IssuedBatch]]] = {}
+        self._slot_events: dict[int, tuple[int, ...]] = {}  # slot -> one event per batch
+        self._prepared_plans: dict[tuple[int, int, int], _PreparedPlan] = {}  # (layer, slot, slot ptr)
         self._forgotten: set[int] = set()        # lost peers no copy may read any more
         self._unmap_after: list[tuple[int, int]] = []  # (IPC base, fence event on the copy stream)
         self._closed = False
@@ -290,18 +307,34 @@ class CudaTransport(Transport):
             self.api.event_record(event, self.api.current_stream())
         return event
 
-    def _batch_events(self, slot: int, count: int) -> list[int]:
-        events = self._slot_events.setdefault(slot, [])
-        while len(events) < count:
-            events.append(self.api.event_create())
-        return events[:count]
+    def _batch_events(self, slot: int, count: int) -> tuple[int, ...]:
+        """The first `count` batch events of `slot` (created on first need, then reused: a later
+        record of an event supersedes the earlier one, as the copies into a slot run in order)."""
+        events = self._slot_events.get(slot)
+        if events is None or len(events) < count:
+            events = list(events or ())
+            while len(events) < count:
+                events.append(self.api.event_create())
+            self._slot_events[slot] = events = tuple(events)
+        return events if len(events) == count else events[:count]
 
-    def _resolve(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> list[_IssuedBatch]:
-        """Addresses of every copy, checked once per (plan, slot buffer) and cached."""
-        key = (id(plan), slot_buffer.data_ptr())
-        cached = self._issued.get(key)
-        if cached is not None and cached[0] is plan:
-            return cached[1]
+    def _prepared(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> _PreparedPlan:
+        """The issue-ready form of `plan` into `slot_buffer`, built on its first submit and reused.
+
+        One entry per (layer, slot, slot buffer): a new plan for the same layer and slot (sources
+        re-planned after a loss, a retry of the unfinished experts) replaces it, so the cache stays
+        as small as the set of plans in use."""
+        slot_ptr = slot_buffer.data_ptr()
+        key = (plan.layer, plan.slot, slot_ptr)
+        prepared = self._prepared_plans.get(key)
+        if prepared is not None and prepared.plan is plan:
+            return prepared
+        prepared = self._prepare(plan, slot_buffer)
+        self._prepared_plans[key] = prepared
+        return prepared
+
+    def _prepare(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> _PreparedPlan:
+        """Check every slice's addresses once and build each batch's copy arguments."""
         dst_base, dst_nbytes = slot_buffer.data_ptr(), slot_buffer.numel()
         for s in plan.slices:
             if s.peer == self.rank or not 0 <= s.peer < len(self._peer_ptrs):
@@ -313,19 +346,15 @@ class CudaTransport(Transport):
             if s.src_offset < 0 or s.src_offset + s.nbytes > self._peer_nbytes[s.peer]:
                 raise ValueError(f"rank {self.rank}: slice {s} of layer {plan.layer} reads past the segment of "
                                  f"peer {s.peer} ({self._peer_nbytes[s.peer]} bytes)")
-        issued = []
+        batches = []
         for batch in cut_batches(plan, self.copy_batches):
             chunk = plan.slices[batch.start : batch.stop]
-            issued.append(_IssuedBatch(
-                dsts=[dst_base + s.dst_offset for s in chunk],
-                srcs=[self._peer_ptrs[s.peer] + s.src_offset for s in chunk],
-                sizes=[s.nbytes for s in chunk],
-                peers_of_copies=tuple(s.peer for s in chunk),
-                peers=batch.peers,
-                completes=batch.completes,
-            ))
-        self._issued[key] = (plan, issued)
-        return issued
+            copies = self.api.prepare_batch([dst_base + s.dst_offset for s in chunk],
+                                            [self._peer_ptrs[s.peer] + s.src_offset for s in chunk],
+                                            [s.nbytes for s in chunk], self.prefer_overlap)
+            batches.append(_IssuedBatch(copies, tuple(s.peer for s in chunk), batch.peers, batch.completes))
+        expert_batch = MappingProxyType({e: b for b, batch in enumerate(batches) for e in batch.completes})
+        return _PreparedPlan(plan, dst_base, tuple(batches), expert_batch, tuple(b.peers for b in batches))
 
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> CudaTicket:
         if self._closed:
@@ -336,11 +365,11 @@ class CudaTransport(Transport):
             raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
         if self._unmap_after:
             self._unmap_landed()
-        batches = self._resolve(plan, slot_buffer)
+        prepared = self._prepared(plan, slot_buffer)
+        batches = prepared.batches
         api, stream = self.api, self._stream
         events = self._batch_events(plan.slot, len(batches))
-        expert_batch = {e: b for b, batch in enumerate(batches) for e in batch.completes}
-        ticket = CudaTicket(self, plan, events, expert_batch, [b.peers for b in batches])
+        ticket = CudaTicket(self, plan, events, prepared.expert_batch, prepared.batch_peers)
         if not batches:
             return ticket
         try:
@@ -367,9 +396,10 @@ class CudaTransport(Transport):
                 raise PeerCopyError(str(exc), peer) from exc
         try:
             if self.copy == "batch":
-                self.api.memcpy_batch_async(batch.dsts, batch.srcs, batch.sizes, stream, self.prefer_overlap)
+                self.api.memcpy_prepared_batch(batch.copies, stream)
             else:
-                for dst, src, n in zip(batch.dsts, batch.srcs, batch.sizes):
+                copies = batch.copies
+                for dst, src, n in zip(copies.dsts, copies.srcs, copies.sizes):
                     self.api.memcpy_async(dst, src, n, stream)
         except cuda_api.CudaError as exc:
             index = getattr(exc, "fail_index", None)
@@ -457,7 +487,7 @@ class CudaTransport(Transport):
                 self.api.event_destroy(event)
             except cuda_api.CudaError:
                 pass
-        self._consume, self._slot_events, self._issued = {}, {}, {}
+        self._consume, self._slot_events, self._prepared_plans = {}, {}, {}
         if self._stream is not None and drained:
             try:
                 self.api.stream_destroy(self._stream)
