@@ -319,8 +319,8 @@ def prepare_batch(dsts, srcs, sizes, prefer_overlap: bool = True) -> PreparedBat
 def memcpy_prepared_batch(batch: PreparedBatch, stream: int) -> None:
     """One cudaMemcpyBatchAsync of a prepared batch: unordered copies, stream-ordered as a whole.
 
-    The bindings still turn the three tuples into C arrays on every call (about 0.1-0.4 us per copy
-    on a CPU, measured by bench/submit_cost.py); the driver's own work per copy comes after that."""
+    The bindings still turn the three tuples into C arrays on every call (0.13 us per copy on a
+    2-core CPU VM: bench/submit_cost.py); the runtime's and the driver's work per copy comes after."""
     rt, _ = _bindings()
     result = rt.cudaMemcpyBatchAsync(batch.dsts, batch.srcs, batch.sizes, batch.count, batch.attrs,
                                      batch.attr_indices, 1, stream)
