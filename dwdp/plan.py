@@ -207,6 +207,26 @@ class PlanCache:
         self.get.cache_clear()
 
 
+def coalesce(slices) -> list[tuple[int, int, int, int]]:
+    """The copies that move `slices` (CopySlice each, in plan order): each run of slices that follow
+    each other in the list, come from the same peer and continue each other's source and
+    destination bytes becomes one copy. (peer, src_offset, dst_offset, nbytes) each, in order.
+
+    Only list neighbours merge, so wherever the plan alternates peers (round-robin slices of
+    several sources) every slice stays its own copy and the interleaving is kept; where one peer's
+    slices follow each other (a single source, or the tail of the longest stream) the slicing buys
+    no interleaving and each extra copy would only cost the driver's per-copy work."""
+    copies: list[list[int]] = []
+    for s in slices:
+        last = copies[-1] if copies else None
+        if last is not None and last[0] == s.peer and last[1] + last[3] == s.src_offset \
+                and last[2] + last[3] == s.dst_offset:
+            last[3] += s.nbytes
+        else:
+            copies.append([s.peer, s.src_offset, s.dst_offset, s.nbytes])
+    return [tuple(c) for c in copies]
+
+
 @dataclass(frozen=True)
 class CopyBatch:
     """Slices `start:stop` of a plan, issued as one unordered batch; after it every expert in

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, cut_batches
+from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, coalesce, cut_batches
 from dwdp.prefetch import Prefetcher
 from dwdp.transport import PrefetchError, PrefetchTimeout
 from fake_cuda import TENSOR_NBYTES, FakeGroup as Group, batch_error
@@ -102,7 +102,7 @@ def test_transport_issues_one_batch_call_and_one_event_per_batch():
     calls = [(n, a) for r, n, a in group.device.calls[start:] if r == 1]
     batches = cut_batches(plan, 3)
     issued = [a[0] for n, a in calls if n == "memcpy_prepared_batch"]
-    assert [b.count for b in issued] == [b.stop - b.start for b in batches]
+    assert [b.count for b in issued] == [len(coalesce(plan.slices[b.start:b.stop])) for b in batches]
     # Each batch is followed by its event record on the copy stream, before the next batch.
     copy_stream = group.transports[1]._stream
     order = [n for n, a in calls if n in ("memcpy_prepared_batch", "event_record", "stream_wait_event")
@@ -210,7 +210,7 @@ def test_enqueue_error_fails_the_ticket_naming_layer_slot_and_peer(fail_index):
     group.device.fail_next("memcpy_prepared_batch", batch_error(fail_index, len(plan.slices)))
     slot = torch.empty(group.slot_nbytes(0), dtype=torch.uint8)  # alive until the device is done with it
     ticket = group.transports[0].submit(plan, slot)
-    peer = plan.slices[fail_index].peer if fail_index is not None else None
+    peer = coalesce(plan.slices)[fail_index][0] if fail_index is not None else None  # one batch: its copies
     for call in (lambda: ticket.wait(1.0), ticket.done, lambda: ticket.synchronize(1.0)):
         with pytest.raises(PrefetchError) as info:
             call()
@@ -221,6 +221,24 @@ def test_enqueue_error_fails_the_ticket_naming_layer_slot_and_peer(fail_index):
             assert f"copy {fail_index} from peer {peer}" in message, message
         else:
             assert f"peers {list(plan.peers)}" in message, message
+    group.close()
+
+
+def test_failed_copy_index_names_the_peer_of_the_issued_copy_after_coalescing():
+    """Three contiguous slices of peer 1 go out as one copy, so the batch's copy 1 is peer 2's slice
+    (slice 1 is still peer 1's): the error must name peer 2."""
+    from dwdp.plan import CopyPlan, CopySlice
+
+    group = Group(8, 3, copy_batches=1).open()
+    plan = CopyPlan(0, 0, 0, (CopySlice(1, 0, 0, 100, 3), CopySlice(1, 100, 100, 100, 3),
+                              CopySlice(1, 200, 200, 50, 3), CopySlice(2, 0, 250, 100, 6)))
+    group.device.fail_next("memcpy_prepared_batch", batch_error(1, 2))
+    slot = torch.empty(400, dtype=torch.uint8)
+    ticket = group.transports[0].submit(plan, slot)
+    issued = [a[0] for r, n, a in group.device.calls if r == 0 and n == "memcpy_prepared_batch"]
+    assert [b.sizes for b in issued] == [(250, 100)], issued
+    with pytest.raises(PrefetchError, match="copy 1 from peer 2"):
+        ticket.wait(1.0)
     group.close()
 
 

@@ -9,8 +9,10 @@ Per layer, everything is ordered by events and the host never waits:
   copy stream:     wait consume[s] -> batch 0 -> record ev[s][0] -> batch 1 -> record ev[s][1] ...
   compute stream:  wait ev[s][b] (Ticket.wait / wait_experts) -> kernels reading slot s
 A layer's cached slice plan is cut into batches where experts complete (`plan.cut_batches`);
-each batch is one cudaMemcpyBatchAsync (or one cudaMemcpyAsync per slice), and the event after
-it tells compute that the experts it completes have landed. The batches' copy arguments, the
+each batch is one cudaMemcpyBatchAsync (or one cudaMemcpyAsync per copy), and the event after
+it tells compute that the experts it completes have landed. Inside a batch, a run of one peer's
+slices that continue each other is issued as one copy (`plan.coalesce`): slices from different
+peers still alternate copy by copy, and no copy costs the driver's per-copy work for nothing. The batches' copy arguments, the
 expert -> batch map and the batch events of a (plan, slot buffer) are built on its first submit
 and reused, so a later submit does no per-slice work on the host. Host waits (drain, close) poll
 the events against a deadline and name the peers still outstanding.
@@ -30,7 +32,7 @@ from types import MappingProxyType
 import torch
 
 from . import cuda_api
-from ..plan import CopyPlan, cut_batches
+from ..plan import CopyPlan, coalesce, cut_batches
 from .base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
 
 log = logging.getLogger("dwdp")
@@ -348,11 +350,13 @@ class CudaTransport(Transport):
                                  f"peer {s.peer} ({self._peer_nbytes[s.peer]} bytes)")
         batches = []
         for batch in cut_batches(plan, self.copy_batches):
-            chunk = plan.slices[batch.start : batch.stop]
-            copies = self.api.prepare_batch([dst_base + s.dst_offset for s in chunk],
-                                            [self._peer_ptrs[s.peer] + s.src_offset for s in chunk],
-                                            [s.nbytes for s in chunk], self.prefer_overlap)
-            batches.append(_IssuedBatch(copies, tuple(s.peer for s in chunk), batch.peers, batch.completes))
+            # One copy per run of a peer's contiguous slices: fewer copies, the same bytes, and the
+            # round-robin interleaving of peers untouched (plan.coalesce).
+            chunk = coalesce(plan.slices[batch.start : batch.stop])
+            copies = self.api.prepare_batch([dst_base + dst for _, _, dst, _ in chunk],
+                                            [self._peer_ptrs[peer] + src for peer, src, _, _ in chunk],
+                                            [n for *_, n in chunk], self.prefer_overlap)
+            batches.append(_IssuedBatch(copies, tuple(c[0] for c in chunk), batch.peers, batch.completes))
         expert_batch = MappingProxyType({e: b for b, batch in enumerate(batches) for e in batch.completes})
         return _PreparedPlan(plan, dst_base, tuple(batches), expert_batch, tuple(b.peers for b in batches))
 
