@@ -383,3 +383,33 @@ def test_symmetric_memory_without_torch_support_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)  # an earlier import's attribute
     with pytest.raises(RuntimeError, match="cuda_mapping='symmetric_memory' .* needs torch.distributed._symmetric_memory"):
         _symmetric_memory_module()
+
+
+def test_process_mapping_reads_peers_through_their_own_pointers():
+    """Every rank in one process (dwdp tune): no IPC handle is exported or opened, each peer's segment
+    is read at its own address, bit-exact; a handle from another process is refused by name."""
+    import os
+
+    from dwdp.transport.cuda import CudaTransport
+    from fake_cuda import FakeCudaApi, FakeDevice
+
+    device, size, nbytes = FakeDevice(), 3, 6000
+    transports = [CudaTransport(r, "cpu", mapping="process", api=FakeCudaApi(device, r)) for r in range(size)]
+    for r, t in enumerate(transports):
+        t.alloc_segment(nbytes).copy_(_poison(nbytes, 40 + r))
+    handles = [t.register() for t in transports]
+    transports[0].open(handles)
+    assert transports[0]._peer_ptrs == [t._segment.data_ptr() for t in transports]
+    from dwdp.plan import CopyPlan, CopySlice
+
+    plan = CopyPlan(0, 0, 0, (CopySlice(1, 100, 0, 700, 5), CopySlice(2, 4000, 700, 900, 6)))
+    slot = torch.zeros(1600, dtype=torch.uint8)
+    transports[0].submit(plan, slot).synchronize(5.0)
+    assert torch.equal(slot[:700], transports[1]._segment[100:800])
+    assert torch.equal(slot[700:], transports[2]._segment[4000:4900])
+    assert not {"ipc_export", "ipc_open"} & set(device.names()), device.names()
+    stranger = dict(handles[2], pid=os.getpid() + 1)
+    with pytest.raises(ValueError, match=r"rank 1: peer 2's segment belongs to process \d+, not this one"):
+        transports[1].open([handles[0], handles[1], stranger])
+    for t in transports:
+        t.close()

@@ -23,6 +23,7 @@ control logic with a recording fake on a CPU.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Mapping
@@ -184,7 +185,9 @@ class CudaTransport(Transport):
 
     rank: this rank's index in the DWDP group. device: the CUDA device of the model.
     copy: "batch" or "memcpy" (DWDPConfig.cuda_copy); copy_batches: most batches per plan.
-    mapping: "ipc" or "symmetric_memory"; process_group: needed by "symmetric_memory".
+    mapping: "ipc" or "symmetric_memory"; process_group: needed by "symmetric_memory"; "process": every
+    rank of the group lives in this process (`dwdp tune`, tests), a peer's segment is read through
+    its own pointer (with peer access enabled between devices).
     prefer_overlap: the PreferOverlapWithCompute hint on batches. api: the cuda_api module or a fake.
     """
 
@@ -195,8 +198,8 @@ class CudaTransport(Transport):
                  close_timeout_s: float = 60.0, api=cuda_api):
         if copy not in ("batch", "memcpy"):
             raise ValueError(f"copy={copy!r} must be 'batch' or 'memcpy'")
-        if mapping not in ("ipc", "symmetric_memory"):
-            raise ValueError(f"mapping={mapping!r} must be 'ipc' or 'symmetric_memory'")
+        if mapping not in ("ipc", "symmetric_memory", "process"):
+            raise ValueError(f"mapping={mapping!r} must be 'ipc', 'symmetric_memory' or 'process'")
         self.api = api
         api.require()
         self.rank = rank
@@ -245,6 +248,8 @@ class CudaTransport(Transport):
                   "nbytes": self._segment.numel(), "host": socket.gethostname(), "device": self.device.index or 0}
         if self.mapping == "ipc":
             handle["ipc"], handle["offset"] = self.api.ipc_export(self._segment.data_ptr())
+        elif self.mapping == "process":
+            handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
         return handle
 
     def open(self, handles: list[dict]) -> None:
@@ -257,6 +262,8 @@ class CudaTransport(Transport):
         try:
             if self.mapping == "ipc":
                 ptrs = self._open_ipc(handles)
+            elif self.mapping == "process":
+                ptrs = self._open_process(handles)
             else:
                 ptrs = self._open_symmetric(handles)
             self._stream = self.api.stream_create()
@@ -285,6 +292,17 @@ class CudaTransport(Transport):
             self._peer_bases[r] = base
             ptrs.append(base + int(handle["offset"]))
         return ptrs
+
+    def _open_process(self, handles: list[dict]) -> list[int]:
+        own = self.device.index or 0
+        for r, handle in enumerate(handles):
+            if handle.get("pid") != os.getpid():
+                raise ValueError(f"rank {self.rank}: peer {r}'s segment belongs to process {handle.get('pid')}, "
+                                 f"not this one ({os.getpid()}); mapping='process' holds every rank in one process")
+            device = int(handle["device"])
+            if self.device.type == "cuda" and device != own and self.api.can_access_peer(own, device):
+                self.api.enable_peer_access(device)  # copies between the devices go over their link
+        return [int(h["ptr"]) for h in handles]
 
     def _open_symmetric(self, handles: list[dict]) -> list[int]:
         symm = _symmetric_memory_module()
