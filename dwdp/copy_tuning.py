@@ -142,6 +142,8 @@ def measure_cuda_copies(num_experts: int, group_size: int, expert_bytes: int, sl
     for r, segment in enumerate(segments):
         gen = torch.Generator(device=segment.device).manual_seed(r)
         segment.copy_(torch.randint(0, 256, segment.shape, dtype=torch.uint8, device=segment.device, generator=gen))
+    for device in sorted(set(devices)):
+        torch.cuda.synchronize(device)  # every segment filled before rank 0's copy stream reads it
     handles = [own.register()] + [t.register() for t in peers]
     own.open(handles)
     where = {"devices": devices, "link": "copies inside one GPU" if num_devices == 1 else

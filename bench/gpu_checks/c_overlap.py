@@ -136,8 +136,10 @@ def run(sections: dict) -> dict:
     prepared = {prefer: batches(prefer) for prefer in (True, False)}
 
     def prefetch(prefer_overlap):
+        """On torch's current stream, like the SM copy (every caller sets it to the stream it times)."""
+        stream = torch.cuda.current_stream().cuda_stream
         for batch in prepared[prefer_overlap]:
-            api.memcpy_prepared_batch(batch, raw)
+            api.memcpy_prepared_batch(batch, stream)
 
     def sm_copy(_prefer):
         for o in range(0, nbytes, 16 * MiB):
