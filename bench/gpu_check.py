@@ -8,14 +8,18 @@ needed, over a gloo group):
   a  copy bandwidth per slice size (256 KiB .. 8 MiB): one cudaMemcpyAsync per slice and one
      cudaMemcpyBatchAsync (the copy-engine API), and tensor.copy_ per slice (an SM kernel)
   b  CUDA IPC: each rank maps the other's segment through the cuda transport and pulls its seeded
-     pattern bit-exactly; opening one's own handle must fail; the prefetch as DWDP issues it
-     (sliced, round-robin, batches cut where experts complete) against one plain batch of the
-     same bytes and against per-slice cudaMemcpyAsync
+     pattern bit-exactly (batch and per-copy paths); opening one's own handle must fail; the
+     prefetch as DWDP issues it against bare batches of the same bytes, step by step (the plan's
+     slices, the copies issued, the batch cuts, the full submit and wait), both ranks at once and
+     each alone, with the host's microseconds per submit and per layer beside each bandwidth
   c  overlap: a large bf16 GEMM alone, the prefetch alone, both at once (with and without the
-     PreferOverlapWithCompute hint): share of the prefetch hidden, slowdown of each
+     PreferOverlapWithCompute hint): share of the prefetch hidden, slowdown of each; SM clock,
+     memory clock and power sampled while the GEMM runs alone, with the prefetch, and with an SM
+     copy of the same bytes; whether each copy path needs SMs (issued under a kernel holding them)
   d  a 2-rank DWDPModel (cuda backend, Triton experts path) on a bf16 model with hundreds of MB
      of experts: logits against the unwrapped model, tokens/s against the same kernel with every
-     expert local (one-rank group, no copies), and the compute stream's stall in prefetch waits
+     expert local (one-rank group, no copies), the compute stream's stall in prefetch waits, and
+     the host's microseconds per prefetch submit and per layer
   e  the Triton kernel: against the reference (output poisoned first), TFLOP/s against
      F.grouped_mm and per-expert matmuls, multi-buffer / single-buffer, measured bf16 matmul peak
   f  write-after-read stress: many layers through two slots while compute is slowed, each

@@ -19,7 +19,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ranks", type=_positive_int, default=4, help="processes in the DWDP group (default 4)")
     demo.add_argument("--prompts", type=_positive_int, default=3, help="prompts per rank (default 3)")
     demo.add_argument("--max-len", type=_positive_int, default=64, help="longest prompt in tokens (default 64)")
-    demo.add_argument("--slice-bytes", type=_positive_int, default=1 << 20, help="copy slice size (default 1 MiB)")
+    demo.add_argument("--slice-bytes", type=_positive_int, default=None,
+                      help="copy slice size (default: the backend's, 1 MiB on cpu, 4 MiB on cuda)")
     demo.add_argument("--repeats", type=_positive_int, default=3, help="timed forwards per rank (default 3)")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--timeout", type=float, default=300.0, help="seconds before the demo gives up on a rank")
@@ -42,8 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                       help="experts quantized as fp8 (128x128 block scales) or MXFP4 (default: as the config says)")
     tune.add_argument("--group-size", type=_positive_int, default=4, help="ranks per DWDP group (default 4)")
     tune.add_argument("--max-num-tokens", type=_positive_int, default=256, help="tokens per forward (default 256)")
-    tune.add_argument("--slice-sizes", default="65536,262144,1048576,4194304",
-                      help="comma-separated slice sizes in bytes to measure")
+    tune.add_argument("--backend", choices=("auto", "host", "cuda"), default="auto",
+                      help="transport to measure: cuda (copy engines, this node's GPUs), host, or auto: cuda when a "
+                           "CUDA device is usable (default auto)")
+    tune.add_argument("--slice-sizes", default=None,
+                      help="comma-separated slice sizes in bytes to measure (default host: 64 KiB .. 4 MiB, "
+                           "cuda: 256 KiB .. 16 MiB)")
+    tune.add_argument("--copy-batches", default=None,
+                      help="comma-separated batch counts per layer to measure (default host: 4, cuda: 1,2,4,8)")
     tune.add_argument("--inflight", type=_positive_int, default=2, help="copier threads (default 2)")
     tune.add_argument("--memory-gib", type=float, help="memory budget per rank (default: 80%% of available / ranks)")
     tune.add_argument("--repeats", type=_positive_int, default=3)
@@ -66,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (1 MiB)")
     serve.add_argument("--kv-dir", metavar="DIR", help="where KV artifacts go (default: a temporary directory "
                        "removed at shutdown)")
-    serve.add_argument("--slice-bytes", type=_positive_int, default=1 << 20, help="copy slice size (default 1 MiB)")
+    serve.add_argument("--slice-bytes", type=_positive_int, default=None,
+                       help="copy slice size (default: the backend's, 1 MiB on cpu, 4 MiB on cuda)")
     serve.add_argument("--expert-replicas", type=_positive_int, default=1,
                        help="ranks owning every expert; 2 keeps serving every expert after losing a rank (default 1)")
     serve.add_argument("--peer-timeout", type=float, default=2.0,
@@ -94,10 +102,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _int_list(flag: str, text: str, low: int) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"dwdp tune: {flag}={text!r} must be comma-separated integers") from None
+    if not values or min(values) < low:
+        raise SystemExit(f"dwdp tune: {flag}={text!r} must hold values >= {low}")
+    return values
+
+
 def _tune(args) -> int:
     import json
 
-    from .tune import run_tune
+    from .tune import TUNE_DEFAULTS, resolve_tune_backend, run_tune
 
     if args.model:
         from transformers import AutoConfig
@@ -114,15 +132,13 @@ def _tune(args) -> int:
 
         quant = ExpertsQuantization("fp8", FP8_BLOCK) if args.dtype == "fp8" else ExpertsQuantization(args.dtype)
         model_config.quantization_config = quant.config_dict()
-    try:
-        sizes = [int(s) for s in args.slice_sizes.split(",")]
-    except ValueError:
-        raise SystemExit(f"dwdp tune: --slice-sizes={args.slice_sizes!r} must be comma-separated integers") from None
-    if not sizes or min(sizes) < 1:
-        raise SystemExit(f"dwdp tune: --slice-sizes={args.slice_sizes!r} must hold sizes >= 1")
+    backend = resolve_tune_backend(args.backend)
+    default_sizes, default_batches = TUNE_DEFAULTS[backend]
+    sizes = _int_list("--slice-sizes", args.slice_sizes or default_sizes, 1)
+    batches = _int_list("--copy-batches", args.copy_batches or default_batches, 1)
     budget = int(args.memory_gib * 2**30) if args.memory_gib else None
     result = run_tune(model_config, args.group_size, args.max_num_tokens, sizes, args.inflight, budget, args.out,
-                      args.repeats)
+                      args.repeats, backend=backend, batch_counts=tuple(batches))
     if args.report:
         with open(args.report, "w") as f:
             json.dump(result, f, indent=2)

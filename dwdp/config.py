@@ -12,6 +12,16 @@ CUDA_COPIES = ("batch", "memcpy")
 CUDA_MAPPINGS = ("auto", "ipc", "symmetric_memory")
 EXPERT_BIASES = ("auto", "replicate", "move")
 
+# slice_bytes when the config names none, per backend. host: 1 MiB (the design's default; the CPU
+# sweeps in bench/README.md ran with it). cuda: 4 MiB. One cuda.bindings batch call costs the host
+# about 5.6 us per copy on the H100 measured (bench/results/h100_submit_cost_ed3ed31.json), whatever
+# the copy's size and link, so a rank cannot issue 1 MiB slices faster than ~190 GB/s, under the
+# ~370-397 GB/s a copy engine moves one way over NVLink 4 (nvbandwidth, NCCL issue #1264); 4 MiB
+# slices issue at ~750 GB/s. Slices of one peer that follow each other go out as one copy anyway
+# (dwdp.plan.coalesce): this only matters where several peers alternate. `dwdp tune` on the node
+# measures it.
+DEFAULT_SLICE_BYTES = {"host": 1 << 20, "cuda": 4 << 20}
+
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
@@ -30,7 +40,8 @@ class DWDPConfig:
         or what `expert_replicas` needs); more than that adds redundant copies and cuts prefetch volume.
     expert_replicas: ranks that must own every expert (1 = no redundancy); 2 lets the group lose
         any one rank and keep serving every expert (dwdp.failover).
-    slice_bytes: size of one copy slice; transfers are cut into slices issued round-robin over peers.
+    slice_bytes: size of one copy slice; transfers are cut into slices issued round-robin over peers
+        (None: DEFAULT_SLICE_BYTES of the backend, see `slice_bytes_for`).
     num_buffers: prefetch slots (double buffering = 2); at least 2 so copy and compute overlap.
     backend: transport backend, "auto" picks "cuda" for CUDA models and "host" otherwise.
     wait_timeout_s: longest a rank waits for one layer's prefetch before raising.
@@ -58,7 +69,7 @@ class DWDPConfig:
     group_size: int | None = None
     num_local_experts: int | None = None
     expert_replicas: int = 1
-    slice_bytes: int = 1 << 20
+    slice_bytes: int | None = None
     num_buffers: int = 2
     backend: str = "auto"
     wait_timeout_s: float = 60.0
@@ -79,7 +90,8 @@ class DWDPConfig:
         if self.group_size is not None and self.expert_replicas > self.group_size:
             raise ValueError(f"expert_replicas={self.expert_replicas} is more than group_size={self.group_size}: "
                              "an expert cannot have more owners than there are ranks")
-        _check_int("slice_bytes", self.slice_bytes, 1, 1 << 34)
+        if self.slice_bytes is not None:
+            _check_int("slice_bytes", self.slice_bytes, 1, 1 << 34)
         _check_int("num_buffers", self.num_buffers, 2, 64)
         _check_int("inflight", self.inflight, 1, 64)
         if self.backend not in BACKENDS:
@@ -97,6 +109,14 @@ class DWDPConfig:
             timeout = getattr(self, name)
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
                 raise ValueError(f"{name}={timeout!r} must be a finite number of seconds > 0")
+
+    def slice_bytes_for(self, backend: str) -> int:
+        """The slice size a group on `backend` ('host' or 'cuda') copies with."""
+        if self.slice_bytes is not None:
+            return self.slice_bytes
+        if backend not in DEFAULT_SLICE_BYTES:
+            raise ValueError(f"backend={backend!r} has no default slice size; expected one of {sorted(DEFAULT_SLICE_BYTES)}")
+        return DEFAULT_SLICE_BYTES[backend]
 
     def replace(self, **changes) -> "DWDPConfig":
         return dataclasses.replace(self, **changes)

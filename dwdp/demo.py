@@ -123,7 +123,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join([fmt.format(*header), rule] + [fmt.format(*line) for line in lines])
 
 
-def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int = 1 << 20, repeats: int = 3,
+def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: int | None = None, repeats: int = 3,
              seed: int = 0, timeout_s: float = 300.0, trace: str | None = None, json_path: str | None = None,
              family: str = "deepseek_v3", dtype: str | None = None, device: str = "cpu") -> int:
     """Run the demo on `ranks` local processes, print the per-rank table; returns the exit code.

@@ -215,7 +215,7 @@ class DWDPModel(ModelWrapper):
         self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
 
         slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
-        plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes)
+        plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes_for(backend))
         # A lost peer is a plan change made here, from this rank's own view: never a collective.
         self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record)
         self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover)

@@ -108,9 +108,18 @@ class CopyPlan:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.slices)
 
-    @property
+    @cached_property
     def peers(self) -> tuple[int, ...]:
         return tuple(sorted({s.peer for s in self.slices}))
+
+    @cached_property
+    def bytes_per_peer(self) -> tuple[tuple[int, int], ...]:
+        """(source peer, bytes copied from it), by peer: what a submit adds to per-peer counters
+        without walking the slices again."""
+        totals: dict[int, int] = {}
+        for s in self.slices:
+            totals[s.peer] = totals.get(s.peer, 0) + s.nbytes
+        return tuple(sorted(totals.items()))
 
     def slices_per_expert(self) -> dict[int, int]:
         """Expert -> its number of slices (a fresh dict)."""
@@ -196,6 +205,26 @@ class PlanCache:
         """Read each expert from `sources[e]` from now on (NO_SOURCE: nowhere); drops every plan."""
         self.sources = tuple(sources)
         self.get.cache_clear()
+
+
+def coalesce(slices) -> list[tuple[int, int, int, int]]:
+    """The copies that move `slices` (CopySlice each, in plan order): each run of slices that follow
+    each other in the list, come from the same peer and continue each other's source and
+    destination bytes becomes one copy. (peer, src_offset, dst_offset, nbytes) each, in order.
+
+    Only list neighbours merge, so wherever the plan alternates peers (round-robin slices of
+    several sources) every slice stays its own copy and the interleaving is kept; where one peer's
+    slices follow each other (a single source, or the tail of the longest stream) the slicing buys
+    no interleaving and each extra copy would only cost the driver's per-copy work."""
+    copies: list[list[int]] = []
+    for s in slices:
+        last = copies[-1] if copies else None
+        if last is not None and last[0] == s.peer and last[1] + last[3] == s.src_offset \
+                and last[2] + last[3] == s.dst_offset:
+            last[3] += s.nbytes
+        else:
+            copies.append([s.peer, s.src_offset, s.dst_offset, s.nbytes])
+    return [tuple(c) for c in copies]
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ class PrefetchStats:
 
     bytes_copied: int = 0
     plans_issued: int = 0
+    issue_s: float = 0.0            # host seconds spent issuing plans (transport.submit)
     slot_hits: int = 0
     wait_s: float = 0.0
     waits: int = 0
@@ -295,8 +296,10 @@ class Prefetcher:
         finally:
             if self.nvtx is not None:
                 self.nvtx.pop()
+        end = now_us()
+        self.stats.issue_s += (end - start) / 1e6
         if self.recorder is not None:
-            self.recorder.complete(phases.PREFETCH_ISSUE, start, now_us(), layer=slot.layer, slot=slot_index,
+            self.recorder.complete(phases.PREFETCH_ISSUE, start, end, layer=slot.layer, slot=slot_index,
                                    iteration=self.recorder.iteration)
         self._count_issued(plan)
         self.stats.plans_issued += 1
@@ -304,5 +307,5 @@ class Prefetcher:
 
     def _count_issued(self, plan: CopyPlan) -> None:
         self.stats.bytes_copied += plan.nbytes
-        for s in plan.slices:
-            self.stats.bytes_from_peer[s.peer] = self.stats.bytes_from_peer.get(s.peer, 0) + s.nbytes
+        for peer, nbytes in plan.bytes_per_peer:  # per peer, not per slice: a submit's cost stays flat
+            self.stats.bytes_from_peer[peer] = self.stats.bytes_from_peer.get(peer, 0) + nbytes

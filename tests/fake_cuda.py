@@ -224,10 +224,14 @@ class FakeCudaApi:
         self._call("memcpy_async", dst, src, nbytes, stream)
         self._enqueue(stream, "copy", (dst, src, nbytes))
 
-    def memcpy_batch_async(self, dsts, srcs, sizes, stream, prefer_overlap=True) -> None:
-        self._call("memcpy_batch_async", list(dsts), list(srcs), list(sizes), stream, prefer_overlap)
-        if sizes:
-            self._enqueue(stream, "copy", *zip(dsts, srcs, sizes))
+    def prepare_batch(self, dsts, srcs, sizes, prefer_overlap=True):
+        """The real cuda_api's prepared arguments (plain tuples and one attribute object: no driver)."""
+        self._call("prepare_batch", list(dsts), list(srcs), list(sizes), prefer_overlap)
+        return cuda_api.prepare_batch(dsts, srcs, sizes, prefer_overlap)
+
+    def memcpy_prepared_batch(self, batch, stream) -> None:
+        self._call("memcpy_prepared_batch", batch, stream)
+        self._enqueue(stream, "copy", *zip(batch.dsts, batch.srcs, batch.sizes))
 
     # -- peer memory --------------------------------------------------------------------------
     def ipc_export(self, ptr: int) -> tuple[bytes, int]:

@@ -28,7 +28,12 @@ def test_invalid_value_names_field_and_range(field, value, words):
 
 def test_defaults():
     cfg = DWDPConfig()
-    assert (cfg.slice_bytes, cfg.num_buffers, cfg.backend) == (1 << 20, 2, "auto")
+    assert (cfg.slice_bytes, cfg.num_buffers, cfg.backend) == (None, 2, "auto")
+    # No slice size given: the backend's (copies on a GPU cost the host per copy, see DEFAULT_SLICE_BYTES).
+    assert (cfg.slice_bytes_for("host"), cfg.slice_bytes_for("cuda")) == (1 << 20, 4 << 20)
+    assert DWDPConfig(slice_bytes=4096).slice_bytes_for("cuda") == 4096
+    with pytest.raises(ValueError, match="backend='auto' has no default slice size"):
+        cfg.slice_bytes_for("auto")
 
 
 def test_frozen_and_json_roundtrip(tmp_path):

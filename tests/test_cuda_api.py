@@ -22,7 +22,7 @@ pytestmark = pytest.mark.no_cuda_driver  # the no-driver answers of the real bin
 
 PUBLIC = sorted(name for name, fn in vars(cuda_api).items()
                 if inspect.isfunction(fn) and fn.__module__ == cuda_api.__name__ and not name.startswith("_"))
-NEVER_RAISE = {"probe", "error_text", "error_name_text", "has_memcpy_batch"}  # answer without a driver
+NEVER_RAISE = {"probe", "error_text", "error_name_text", "has_memcpy_batch", "prepare_batch"}  # answer without a driver
 
 
 def _recorded_calls() -> list[tuple[str, tuple]]:
@@ -47,7 +47,8 @@ def _recorded_calls() -> list[tuple[str, tuple]]:
 def test_every_recorded_call_gets_the_no_driver_error_from_the_real_bindings():
     calls = _recorded_calls()
     names = {name for name, _ in calls}
-    assert {"ipc_export", "ipc_open", "memcpy_batch_async", "memcpy_async", "event_record", "stream_wait_event",
+    assert {"ipc_export", "ipc_open", "prepare_batch", "memcpy_prepared_batch", "memcpy_async", "event_record",
+            "stream_wait_event",
             "event_query", "event_wait", "ipc_close", "stream_create", "event_create"} <= names, sorted(names)
     for name, args in calls:
         fn = getattr(cuda_api, name)
@@ -65,6 +66,7 @@ DIRECT = {
     "event_destroy": (0x5678,), "allocation_base": (1 << 30,), "can_access_peer": (0, 1), "enable_peer_access": (1,),
     "require": (), "probe": (), "error_text": (35,), "error_name_text": (35,), "has_memcpy_batch": (),
     "ipc_export": (1 << 30,), "ipc_open": (bytes(64),), "ipc_close": (1 << 30,), "event_create": (True,),
+    "memcpy_batch_async": ([1 << 30, 3 << 30], [2 << 30, 4 << 30], [4096, 100], 0x1234, False),
 }
 
 
@@ -111,7 +113,7 @@ def test_batch_success_from_both_result_shapes_and_its_arguments(monkeypatch, re
     cuda_api.memcpy_batch_async([1 << 20, 3 << 20], [2 << 20, 4 << 20], [64, 128], 0x77, prefer_overlap=True)
     cuda_api.memcpy_batch_async([], [], [], 0x77)  # empty: nothing issued
     (dsts, srcs, sizes, count, attrs, idxs, num_attrs, stream), = seen
-    assert (dsts, srcs, sizes, count, idxs, num_attrs, stream) == ([1 << 20, 3 << 20], [2 << 20, 4 << 20], [64, 128],
+    assert (dsts, srcs, sizes, count, idxs, num_attrs, stream) == ((1 << 20, 3 << 20), (2 << 20, 4 << 20), (64, 128),
                                                                     2, [0], 1, 0x77)
     assert attrs[0].srcAccessOrder == rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
     assert attrs[0].flags == rt.cudaMemcpyFlags.cudaMemcpyFlagPreferOverlapWithCompute

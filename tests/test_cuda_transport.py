@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, cut_batches
+from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, coalesce, cut_batches
 from dwdp.prefetch import Prefetcher
 from dwdp.transport import PrefetchError, PrefetchTimeout
 from fake_cuda import TENSOR_NBYTES, FakeGroup as Group, batch_error
@@ -55,8 +55,8 @@ def test_copies_land_bit_exact_inside_their_slot(copy, has_batch, copy_batches, 
                 assert lo <= d and d + n <= hi, f"copy to {d:#x}+{n} outside the slot [{lo:#x}, {hi:#x})"
                 assert not own_lo <= s < own_hi, f"rank {rank} copies from its own segment at {s:#x}"
             calls = [c[1] for c in group.device.calls[start:] if c[0] == rank]
-            want = "memcpy_batch_async" if copy == "batch" and has_batch else "memcpy_async"
-            assert want in calls and ({"memcpy_batch_async", "memcpy_async"} - {want}).isdisjoint(calls), calls
+            want = "memcpy_prepared_batch" if copy == "batch" and has_batch else "memcpy_async"
+            assert want in calls and ({"memcpy_prepared_batch", "memcpy_async"} - {want}).isdisjoint(calls), calls
     group.close()
 
 
@@ -65,8 +65,9 @@ def _issued_copies(calls, rank):
     for r, name, args in calls:
         if r != rank:
             continue
-        if name == "memcpy_batch_async":
-            copies += list(zip(args[0], args[1], args[2]))
+        if name == "memcpy_prepared_batch":
+            batch = args[0]
+            copies += list(zip(batch.dsts, batch.srcs, batch.sizes))
         elif name == "memcpy_async":
             copies.append(args[:3])
     return copies
@@ -100,14 +101,14 @@ def test_transport_issues_one_batch_call_and_one_event_per_batch():
     group.transports[1].submit(plan, slot)
     calls = [(n, a) for r, n, a in group.device.calls[start:] if r == 1]
     batches = cut_batches(plan, 3)
-    issued = [a for n, a in calls if n == "memcpy_batch_async"]
-    assert [len(a[2]) for a in issued] == [b.stop - b.start for b in batches]
+    issued = [a[0] for n, a in calls if n == "memcpy_prepared_batch"]
+    assert [b.count for b in issued] == [len(coalesce(plan.slices[b.start:b.stop])) for b in batches]
     # Each batch is followed by its event record on the copy stream, before the next batch.
     copy_stream = group.transports[1]._stream
-    order = [n for n, a in calls if n in ("memcpy_batch_async", "event_record", "stream_wait_event")
+    order = [n for n, a in calls if n in ("memcpy_prepared_batch", "event_record", "stream_wait_event")
              and copy_stream in a]
     assert order[0] == "stream_wait_event", order
-    assert order[1:] == ["memcpy_batch_async", "event_record"] * len(batches), order
+    assert order[1:] == ["memcpy_prepared_batch", "event_record"] * len(batches), order
     group.close()
 
 
@@ -206,10 +207,10 @@ def test_ticket_wait_is_one_stream_wait_on_the_compute_stream():
 def test_enqueue_error_fails_the_ticket_naming_layer_slot_and_peer(fail_index):
     group = Group(8, 3, copy_batches=1).open()
     plan = build_copy_plan(group.placement, 0, 2, 1, group.layout, 1000)
-    group.device.fail_next("memcpy_batch_async", batch_error(fail_index, len(plan.slices)))
+    group.device.fail_next("memcpy_prepared_batch", batch_error(fail_index, len(plan.slices)))
     slot = torch.empty(group.slot_nbytes(0), dtype=torch.uint8)  # alive until the device is done with it
     ticket = group.transports[0].submit(plan, slot)
-    peer = plan.slices[fail_index].peer if fail_index is not None else None
+    peer = coalesce(plan.slices)[fail_index][0] if fail_index is not None else None  # one batch: its copies
     for call in (lambda: ticket.wait(1.0), ticket.done, lambda: ticket.synchronize(1.0)):
         with pytest.raises(PrefetchError) as info:
             call()
@@ -220,6 +221,24 @@ def test_enqueue_error_fails_the_ticket_naming_layer_slot_and_peer(fail_index):
             assert f"copy {fail_index} from peer {peer}" in message, message
         else:
             assert f"peers {list(plan.peers)}" in message, message
+    group.close()
+
+
+def test_failed_copy_index_names_the_peer_of_the_issued_copy_after_coalescing():
+    """Three contiguous slices of peer 1 go out as one copy, so the batch's copy 1 is peer 2's slice
+    (slice 1 is still peer 1's): the error must name peer 2."""
+    from dwdp.plan import CopyPlan, CopySlice
+
+    group = Group(8, 3, copy_batches=1).open()
+    plan = CopyPlan(0, 0, 0, (CopySlice(1, 0, 0, 100, 3), CopySlice(1, 100, 100, 100, 3),
+                              CopySlice(1, 200, 200, 50, 3), CopySlice(2, 0, 250, 100, 6)))
+    group.device.fail_next("memcpy_prepared_batch", batch_error(1, 2))
+    slot = torch.empty(400, dtype=torch.uint8)
+    ticket = group.transports[0].submit(plan, slot)
+    issued = [a[0] for r, n, a in group.device.calls if r == 0 and n == "memcpy_prepared_batch"]
+    assert [b.sizes for b in issued] == [(250, 100)], issued
+    with pytest.raises(PrefetchError, match="copy 1 from peer 2"):
+        ticket.wait(1.0)
     group.close()
 
 
@@ -364,3 +383,33 @@ def test_symmetric_memory_without_torch_support_is_a_clear_error(monkeypatch):
     monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)  # an earlier import's attribute
     with pytest.raises(RuntimeError, match="cuda_mapping='symmetric_memory' .* needs torch.distributed._symmetric_memory"):
         _symmetric_memory_module()
+
+
+def test_process_mapping_reads_peers_through_their_own_pointers():
+    """Every rank in one process (dwdp tune): no IPC handle is exported or opened, each peer's segment
+    is read at its own address, bit-exact; a handle from another process is refused by name."""
+    import os
+
+    from dwdp.transport.cuda import CudaTransport
+    from fake_cuda import FakeCudaApi, FakeDevice
+
+    device, size, nbytes = FakeDevice(), 3, 6000
+    transports = [CudaTransport(r, "cpu", mapping="process", api=FakeCudaApi(device, r)) for r in range(size)]
+    for r, t in enumerate(transports):
+        t.alloc_segment(nbytes).copy_(_poison(nbytes, 40 + r))
+    handles = [t.register() for t in transports]
+    transports[0].open(handles)
+    assert transports[0]._peer_ptrs == [t._segment.data_ptr() for t in transports]
+    from dwdp.plan import CopyPlan, CopySlice
+
+    plan = CopyPlan(0, 0, 0, (CopySlice(1, 100, 0, 700, 5), CopySlice(2, 4000, 700, 900, 6)))
+    slot = torch.zeros(1600, dtype=torch.uint8)
+    transports[0].submit(plan, slot).synchronize(5.0)
+    assert torch.equal(slot[:700], transports[1]._segment[100:800])
+    assert torch.equal(slot[700:], transports[2]._segment[4000:4900])
+    assert not {"ipc_export", "ipc_open"} & set(device.names()), device.names()
+    stranger = dict(handles[2], pid=os.getpid() + 1)
+    with pytest.raises(ValueError, match=r"rank 1: peer 2's segment belongs to process \d+, not this one"):
+        transports[1].open([handles[0], handles[1], stranger])
+    for t in transports:
+        t.close()

@@ -397,7 +397,8 @@ def test_cuda_fault_hook_re_plans_and_unmaps_the_lost_peer_after_its_copies():
         prefetcher.release(slot)
     group.device.run()
     assert list(failover.lost) == [victim] and failover.retried_slices > 0, (failover.lost, failover.retried_slices)
-    read = [s for r, n, a in group.device.calls[start:] if r == rank and n == "memcpy_batch_async" for s in a[1]]
+    read = [s for r, n, a in group.device.calls[start:] if r == rank and n == "memcpy_prepared_batch"
+            for s in a[0].srcs]
     assert read and not any(lo <= s < hi for s in read), "a copy from the faulty peer was enqueued"
     bases = dict(transport._peer_bases)
     closes = [a[0] for r, n, a in group.device.calls if r == rank and n == "ipc_close"]

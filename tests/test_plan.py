@@ -139,3 +139,58 @@ def test_layers_read_different_source_bytes():
     l2 = build_copy_plan(p, 0, 2, 0, seg, 4096)
     assert [s.src_offset + 2 * seg.layer_nbytes for s in l0.slices] == [s.src_offset for s in l2.slices]
     assert [s.dst_offset for s in l0.slices] == [s.dst_offset for s in l2.slices]
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    num_experts=st.integers(2, 12),
+    data=st.data(),
+    slice_bytes=st.sampled_from([1000, 1024, 3072, 5000, 1 << 20]),
+    nbytes=st.sampled_from([TENSOR_NBYTES, (4096,), (3000, 1700, 16)]),
+)
+def test_coalesce_merges_only_neighbouring_contiguous_slices_of_one_peer(num_experts, data, slice_bytes, nbytes):
+    """Each copy is a run of consecutive slices of the plan from one peer whose source and
+    destination bytes continue each other, and no two neighbouring copies could have been one: the
+    same bytes move, and wherever the plan alternates peers each slice stays its own copy."""
+    from dwdp.plan import coalesce
+
+    group_size = data.draw(st.integers(2, num_experts))
+    rank = data.draw(st.integers(0, group_size - 1))
+    local = data.draw(st.integers(-(-num_experts // group_size), num_experts))
+    _, _, plan = _plan(num_experts, group_size, rank, slice_bytes, local=local, nbytes=nbytes)
+    copies = coalesce(plan.slices)
+    rest = list(plan.slices)
+    for peer, src, dst, n in copies:
+        run_bytes = 0
+        while run_bytes < n:
+            s = rest.pop(0)
+            assert (s.peer, s.src_offset, s.dst_offset) == (peer, src + run_bytes, dst + run_bytes), (s, (peer, src, dst))
+            run_bytes += s.nbytes
+        assert run_bytes == n, f"copy {(peer, src, dst, n)} ends inside a slice"
+    assert not rest, f"{len(rest)} slices left over"
+    for (p0, s0, d0, n0), (p1, s1, d1, _) in zip(copies, copies[1:]):
+        assert not (p0 == p1 and s0 + n0 == s1 and d0 + n0 == d1), "two neighbouring copies should have been one"
+    alternations = sum(a.peer != b.peer for a, b in zip(plan.slices, plan.slices[1:]))
+    assert len(copies) >= alternations + bool(plan.slices), "a copy spans slices of two peers"
+
+
+def test_coalesce_one_source_is_one_copy_per_tensor_and_round_robin_keeps_every_slice():
+    from dwdp.plan import coalesce
+
+    _, seg, plan = _plan(8, 2, 0, 1000)  # one source: each expert's tensors are slice runs
+    assert len(coalesce(plan.slices)) == 4 * len(TENSOR_NBYTES) < len(plan.slices)
+    _, _, plan = _plan(9, 3, 1, 1000)    # two sources with equal streams: peers alternate throughout
+    assert len(coalesce(plan.slices)) == len(plan.slices)
+
+
+def test_coalesce_keeps_apart_what_only_looks_contiguous():
+    from dwdp.plan import CopySlice, coalesce
+
+    other_peer = (CopySlice(1, 0, 0, 100, 0), CopySlice(2, 100, 100, 100, 0))    # same offsets, two segments
+    dst_jumps = (CopySlice(1, 0, 0, 100, 0), CopySlice(1, 100, 500, 100, 0))     # source continues, slot does not
+    src_jumps = (CopySlice(1, 0, 0, 100, 0), CopySlice(1, 900, 100, 100, 0))     # slot continues, source does not
+    for slices in (other_peer, dst_jumps, src_jumps):
+        assert coalesce(slices) == [(s.peer, s.src_offset, s.dst_offset, s.nbytes) for s in slices], slices
+    merged = (CopySlice(1, 0, 0, 100, 0), CopySlice(1, 100, 100, 60, 1), CopySlice(1, 160, 160, 1, 1))
+    assert coalesce(merged) == [(1, 0, 0, 161)]
+    assert coalesce(()) == []

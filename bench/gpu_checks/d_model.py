@@ -78,12 +78,21 @@ def _model_rank(rank: int, opts: dict) -> dict:
         result["stall_ms_per_forward"] = timer.total_ms() / opts["forwards"]
         result["copied_MiB_per_forward"] = dwdp.stats.bytes_copied / opts["forwards"] / MiB
         result["host_wait_ms_per_forward"] = dwdp.stats.wait_s / opts["forwards"] * 1e3
+        result.update(_host_cost(dwdp.stats, opts))
     result["memory"] = {"local_expert_MiB": dwdp.memory.local_expert_bytes / MiB,
                         "prefetch_MiB": dwdp.memory.prefetch_buffer_bytes / MiB,
                         "full_expert_MiB": dwdp.memory.full_expert_bytes / MiB}
     dwdp.close()
     local.close()
     return result
+
+
+def _host_cost(stats, opts: dict) -> dict:
+    """Host microseconds the prefetch's submits took (transport.submit: batches issued on the copy
+    stream), per submit and per MoE layer, over the timed DWDP forwards."""
+    layers = opts["forwards"] * opts["layers"]
+    return {"host_us_per_submit": stats.issue_s / max(1, stats.plans_issued) * 1e6,
+            "host_us_per_layer": stats.issue_s / layers * 1e6, "submits_per_layer": stats.plans_issued / layers}
 
 
 def _logits_bound(r: dict) -> float:
@@ -128,4 +137,8 @@ def summary(section: dict) -> list[tuple[str, str, str, str]]:
                          f"{r['dwdp_tokens_per_s'] / r['local_tokens_per_s']:.3f}", "", "info"))
             rows.append((f"d compute stall in waits, rank {r['rank']}",
                          f"{r['stall_ms_per_forward']:.3f} of {r['dwdp_ms_per_forward']:.2f} ms/fwd", "", "info"))
+            if "host_us_per_submit" in r:
+                rows.append((f"d host us per prefetch submit / per layer, rank {r['rank']}",
+                             f"{r['host_us_per_submit']:.0f} / {r['host_us_per_layer']:.0f} "
+                             f"({r['copied_MiB_per_forward']:.0f} MiB pulled per forward)", "", "info"))
     return rows

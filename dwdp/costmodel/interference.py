@@ -9,6 +9,15 @@ Two mechanisms, one per operator class:
     kernel's dynamic power fits what is left: idle + copy + (compute - idle) * clock ** a = 1, and a
     compute-bound kernel's time scales with 1 / clock.
 Units: bytes/s, fractions of the power limit.
+
+What is measured and what is not: the power figures are the DWDP paper's GB200 NVL72 measurements
+(Appendix A), carried to the other GPUs as assumptions (dwdp/data/hardware.json says so per value).
+bench/gpu_check.py section c samples SM clock, memory clock and power on one GPU while a GEMM runs
+alone, beside copy-engine copies and beside an SM copy, and reports watts per TB/s of copy traffic
+inside that GPU; no run of it has been stored yet, so nothing here comes from it. Even once it has
+run, its copies read and write the GEMM's own HBM (and may run on SMs, which section c also checks),
+while an NVLink pull reads another GPU's HBM and adds the link's power: a one-GPU figure would
+describe HBM contention and power on one device, not the NVLink case this model is for.
 """
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ class ServeConfig:
     max_body_bytes: largest request body; bigger ones get 413 before they are parsed.
     kv_dir: where each request's KV cache is written as `<request id>.safetensors` (None: a
         temporary directory removed at shutdown).
-    slice_bytes: DWDP copy slice size of every worker.
+    slice_bytes: DWDP copy slice size of every worker (None: the backend's default, DWDPConfig.slice_bytes_for).
     expert_replicas: ranks owning every expert (DWDPConfig.expert_replicas); 2 keeps every expert
         servable when any one worker is lost.
     peer_timeout_s: DWDPConfig.peer_timeout_s of every worker (bound on a copy before the peer's
@@ -59,7 +59,7 @@ class ServeConfig:
     max_queue_tokens: int = 8192
     max_body_bytes: int = 1 << 20
     kv_dir: str | None = None
-    slice_bytes: int = 1 << 20
+    slice_bytes: int | None = None
     expert_replicas: int = 1
     peer_timeout_s: float = 2.0
     stall_timeout_s: float = 2.0
@@ -84,7 +84,8 @@ class ServeConfig:
             raise ValueError(f"max_queue_tokens={self.max_queue_tokens} must be >= max_num_tokens="
                              f"{self.max_num_tokens}: a worker must be able to queue the longest prompt")
         _check_int("max_body_bytes", self.max_body_bytes, 64)
-        _check_int("slice_bytes", self.slice_bytes, 1)
+        if self.slice_bytes is not None:
+            _check_int("slice_bytes", self.slice_bytes, 1)
         _check_int("expert_replicas", self.expert_replicas, 1)
         if self.expert_replicas > self.ranks:
             raise ValueError(f"expert_replicas={self.expert_replicas} must be <= ranks={self.ranks}")

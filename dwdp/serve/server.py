@@ -6,6 +6,7 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 
 from .config import ServeConfig
 from .pool import StartupError, WorkerPool
@@ -47,6 +48,7 @@ def run_server(config: ServeConfig) -> int:
     kv_dir = config.kv_dir or tempfile.mkdtemp(prefix="dwdp-kv-")
     tokenizer = load_tokenizer(config)
     pool = WorkerPool(config, kv_dir)
+    started = time.monotonic()
     try:
         pool.start()
         try:
@@ -54,6 +56,11 @@ def run_server(config: ServeConfig) -> int:
         except StartupError as exc:
             print(f"dwdp serve: {exc}", file=sys.stderr)
             return 1
+        workers = pool.snapshot()["workers"]
+        warmup = max(w.get("warmup_s", 0.0) for w in workers)
+        devices = ", ".join(sorted({w.get("device", "?") for w in workers}))
+        print(f"dwdp serve: ready in {time.monotonic() - started:.1f} s on {devices} (slowest warm-up "
+              f"{warmup:.1f} s: kernels compiled before the first request)", flush=True)
         app = BodyLimit(create_app(pool, config, tokenizer), config.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",

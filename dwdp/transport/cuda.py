@@ -9,9 +9,13 @@ Per layer, everything is ordered by events and the host never waits:
   copy stream:     wait consume[s] -> batch 0 -> record ev[s][0] -> batch 1 -> record ev[s][1] ...
   compute stream:  wait ev[s][b] (Ticket.wait / wait_experts) -> kernels reading slot s
 A layer's cached slice plan is cut into batches where experts complete (`plan.cut_batches`);
-each batch is one cudaMemcpyBatchAsync (or one cudaMemcpyAsync per slice), and the event after
-it tells compute that the experts it completes have landed. Host waits (drain, close) poll the
-events against a deadline and name the peers still outstanding.
+each batch is one cudaMemcpyBatchAsync (or one cudaMemcpyAsync per copy), and the event after
+it tells compute that the experts it completes have landed. Inside a batch, a run of one peer's
+slices that continue each other is issued as one copy (`plan.coalesce`): slices from different
+peers still alternate copy by copy, and no copy costs the driver's per-copy work for nothing. The batches' copy arguments, the
+expert -> batch map and the batch events of a (plan, slot buffer) are built on its first submit
+and reused, so a later submit does no per-slice work on the host. Host waits (drain, close) poll
+the events against a deadline and name the peers still outstanding.
 
 Every device call goes through `api` (dwdp.transport.cuda_api by default), so tests drive this
 control logic with a recording fake on a CPU.
@@ -19,29 +23,45 @@ control logic with a recording fake on a CPU.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
 from . import cuda_api
-from ..plan import CopyPlan, cut_batches
+from ..plan import CopyPlan, coalesce, cut_batches
 from .base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
 
 log = logging.getLogger("dwdp")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _IssuedBatch:
-    """One batch of a plan with its addresses resolved for one (slot buffer, peer mapping)."""
+    """One batch of a plan with its addresses resolved for one (slot buffer, peer mapping).
 
-    dsts: list
-    srcs: list
-    sizes: list
+    copies: the api's prepared arguments (`prepare_batch`: dsts, srcs, sizes), built once and
+    issued as they are on every submit of the plan."""
+
+    copies: object
     peers_of_copies: tuple[int, ...]  # source peer of each copy (names the peer of a failed copy)
     peers: tuple[int, ...]
     completes: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _PreparedPlan:
+    """What every submit of one plan into one slot buffer issues and hands its ticket, built on the
+    plan's first submit; later submits only enqueue it (no per-slice work on the host)."""
+
+    plan: CopyPlan
+    slot_ptr: int
+    batches: tuple[_IssuedBatch, ...]
+    expert_batch: Mapping[int, int]      # expert -> the batch that holds its last slice (read-only)
+    batch_peers: tuple[tuple[int, ...], ...]
 
 
 class CudaTicket:
@@ -51,8 +71,8 @@ class CudaTicket:
     at once; `synchronize` is the host wait (polling, with a deadline).
     """
 
-    def __init__(self, transport: "CudaTransport", plan: CopyPlan, events: list[int],
-                 expert_batch: dict[int, int], batch_peers: list[tuple[int, ...]]):
+    def __init__(self, transport: "CudaTransport", plan: CopyPlan, events: tuple[int, ...],
+                 expert_batch: Mapping[int, int], batch_peers: tuple[tuple[int, ...], ...]):
         self.plan = plan
         self.error: BaseException | None = None
         self.submitted_ns = time.perf_counter_ns()
@@ -165,7 +185,9 @@ class CudaTransport(Transport):
 
     rank: this rank's index in the DWDP group. device: the CUDA device of the model.
     copy: "batch" or "memcpy" (DWDPConfig.cuda_copy); copy_batches: most batches per plan.
-    mapping: "ipc" or "symmetric_memory"; process_group: needed by "symmetric_memory".
+    mapping: "ipc" or "symmetric_memory"; process_group: needed by "symmetric_memory"; "process": every
+    rank of the group lives in this process (`dwdp tune`, tests), a peer's segment is read through
+    its own pointer (with peer access enabled between devices).
     prefer_overlap: the PreferOverlapWithCompute hint on batches. api: the cuda_api module or a fake.
     """
 
@@ -176,8 +198,8 @@ class CudaTransport(Transport):
                  close_timeout_s: float = 60.0, api=cuda_api):
         if copy not in ("batch", "memcpy"):
             raise ValueError(f"copy={copy!r} must be 'batch' or 'memcpy'")
-        if mapping not in ("ipc", "symmetric_memory"):
-            raise ValueError(f"mapping={mapping!r} must be 'ipc' or 'symmetric_memory'")
+        if mapping not in ("ipc", "symmetric_memory", "process"):
+            raise ValueError(f"mapping={mapping!r} must be 'ipc', 'symmetric_memory' or 'process'")
         self.api = api
         api.require()
         self.rank = rank
@@ -199,8 +221,8 @@ class CudaTransport(Transport):
         self._peer_bases: dict[int, int] = {}  # peer -> the IPC base opened for it
         self._stream: int | None = None
         self._consume: dict[int, int] = {}      # slot -> consume event
-        self._slot_events: dict[int, list[int]] = {}  # slot -> one event per batch
-        self._issued: dict[tuple[int, int], tuple[CopyPlan, list[_IssuedBatch]]] = {}
+        self._slot_events: dict[int, tuple[int, ...]] = {}  # slot -> one event per batch
+        self._prepared_plans: dict[tuple[int, int, int], _PreparedPlan] = {}  # (layer, slot, slot ptr)
         self._forgotten: set[int] = set()        # lost peers no copy may read any more
         self._unmap_after: list[tuple[int, int]] = []  # (IPC base, fence event on the copy stream)
         self._closed = False
@@ -226,6 +248,8 @@ class CudaTransport(Transport):
                   "nbytes": self._segment.numel(), "host": socket.gethostname(), "device": self.device.index or 0}
         if self.mapping == "ipc":
             handle["ipc"], handle["offset"] = self.api.ipc_export(self._segment.data_ptr())
+        elif self.mapping == "process":
+            handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
         return handle
 
     def open(self, handles: list[dict]) -> None:
@@ -238,6 +262,8 @@ class CudaTransport(Transport):
         try:
             if self.mapping == "ipc":
                 ptrs = self._open_ipc(handles)
+            elif self.mapping == "process":
+                ptrs = self._open_process(handles)
             else:
                 ptrs = self._open_symmetric(handles)
             self._stream = self.api.stream_create()
@@ -267,6 +293,17 @@ class CudaTransport(Transport):
             ptrs.append(base + int(handle["offset"]))
         return ptrs
 
+    def _open_process(self, handles: list[dict]) -> list[int]:
+        own = self.device.index or 0
+        for r, handle in enumerate(handles):
+            if handle.get("pid") != os.getpid():
+                raise ValueError(f"rank {self.rank}: peer {r}'s segment belongs to process {handle.get('pid')}, "
+                                 f"not this one ({os.getpid()}); mapping='process' holds every rank in one process")
+            device = int(handle["device"])
+            if self.device.type == "cuda" and device != own and self.api.can_access_peer(own, device):
+                self.api.enable_peer_access(device)  # copies between the devices go over their link
+        return [int(h["ptr"]) for h in handles]
+
     def _open_symmetric(self, handles: list[dict]) -> list[int]:
         symm = _symmetric_memory_module()
         if self.process_group is None:
@@ -290,18 +327,34 @@ class CudaTransport(Transport):
             self.api.event_record(event, self.api.current_stream())
         return event
 
-    def _batch_events(self, slot: int, count: int) -> list[int]:
-        events = self._slot_events.setdefault(slot, [])
-        while len(events) < count:
-            events.append(self.api.event_create())
-        return events[:count]
+    def _batch_events(self, slot: int, count: int) -> tuple[int, ...]:
+        """The first `count` batch events of `slot` (created on first need, then reused: a later
+        record of an event supersedes the earlier one, as the copies into a slot run in order)."""
+        events = self._slot_events.get(slot)
+        if events is None or len(events) < count:
+            events = list(events or ())
+            while len(events) < count:
+                events.append(self.api.event_create())
+            self._slot_events[slot] = events = tuple(events)
+        return events if len(events) == count else events[:count]
 
-    def _resolve(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> list[_IssuedBatch]:
-        """Addresses of every copy, checked once per (plan, slot buffer) and cached."""
-        key = (id(plan), slot_buffer.data_ptr())
-        cached = self._issued.get(key)
-        if cached is not None and cached[0] is plan:
-            return cached[1]
+    def _prepared(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> _PreparedPlan:
+        """The issue-ready form of `plan` into `slot_buffer`, built on its first submit and reused.
+
+        One entry per (layer, slot, slot buffer): a new plan for the same layer and slot (sources
+        re-planned after a loss, a retry of the unfinished experts) replaces it, so the cache stays
+        as small as the set of plans in use."""
+        slot_ptr = slot_buffer.data_ptr()
+        key = (plan.layer, plan.slot, slot_ptr)
+        prepared = self._prepared_plans.get(key)
+        if prepared is not None and prepared.plan is plan:
+            return prepared
+        prepared = self._prepare(plan, slot_buffer)
+        self._prepared_plans[key] = prepared
+        return prepared
+
+    def _prepare(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> _PreparedPlan:
+        """Check every slice's addresses once and build each batch's copy arguments."""
         dst_base, dst_nbytes = slot_buffer.data_ptr(), slot_buffer.numel()
         for s in plan.slices:
             if s.peer == self.rank or not 0 <= s.peer < len(self._peer_ptrs):
@@ -313,19 +366,17 @@ class CudaTransport(Transport):
             if s.src_offset < 0 or s.src_offset + s.nbytes > self._peer_nbytes[s.peer]:
                 raise ValueError(f"rank {self.rank}: slice {s} of layer {plan.layer} reads past the segment of "
                                  f"peer {s.peer} ({self._peer_nbytes[s.peer]} bytes)")
-        issued = []
+        batches = []
         for batch in cut_batches(plan, self.copy_batches):
-            chunk = plan.slices[batch.start : batch.stop]
-            issued.append(_IssuedBatch(
-                dsts=[dst_base + s.dst_offset for s in chunk],
-                srcs=[self._peer_ptrs[s.peer] + s.src_offset for s in chunk],
-                sizes=[s.nbytes for s in chunk],
-                peers_of_copies=tuple(s.peer for s in chunk),
-                peers=batch.peers,
-                completes=batch.completes,
-            ))
-        self._issued[key] = (plan, issued)
-        return issued
+            # One copy per run of a peer's contiguous slices: fewer copies, the same bytes, and the
+            # round-robin interleaving of peers untouched (plan.coalesce).
+            chunk = coalesce(plan.slices[batch.start : batch.stop])
+            copies = self.api.prepare_batch([dst_base + dst for _, _, dst, _ in chunk],
+                                            [self._peer_ptrs[peer] + src for peer, src, _, _ in chunk],
+                                            [n for *_, n in chunk], self.prefer_overlap)
+            batches.append(_IssuedBatch(copies, tuple(c[0] for c in chunk), batch.peers, batch.completes))
+        expert_batch = MappingProxyType({e: b for b, batch in enumerate(batches) for e in batch.completes})
+        return _PreparedPlan(plan, dst_base, tuple(batches), expert_batch, tuple(b.peers for b in batches))
 
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> CudaTicket:
         if self._closed:
@@ -336,11 +387,11 @@ class CudaTransport(Transport):
             raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
         if self._unmap_after:
             self._unmap_landed()
-        batches = self._resolve(plan, slot_buffer)
+        prepared = self._prepared(plan, slot_buffer)
+        batches = prepared.batches
         api, stream = self.api, self._stream
         events = self._batch_events(plan.slot, len(batches))
-        expert_batch = {e: b for b, batch in enumerate(batches) for e in batch.completes}
-        ticket = CudaTicket(self, plan, events, expert_batch, [b.peers for b in batches])
+        ticket = CudaTicket(self, plan, events, prepared.expert_batch, prepared.batch_peers)
         if not batches:
             return ticket
         try:
@@ -367,9 +418,10 @@ class CudaTransport(Transport):
                 raise PeerCopyError(str(exc), peer) from exc
         try:
             if self.copy == "batch":
-                self.api.memcpy_batch_async(batch.dsts, batch.srcs, batch.sizes, stream, self.prefer_overlap)
+                self.api.memcpy_prepared_batch(batch.copies, stream)
             else:
-                for dst, src, n in zip(batch.dsts, batch.srcs, batch.sizes):
+                copies = batch.copies
+                for dst, src, n in zip(copies.dsts, copies.srcs, copies.sizes):
                     self.api.memcpy_async(dst, src, n, stream)
         except cuda_api.CudaError as exc:
             index = getattr(exc, "fail_index", None)
@@ -457,7 +509,7 @@ class CudaTransport(Transport):
                 self.api.event_destroy(event)
             except cuda_api.CudaError:
                 pass
-        self._consume, self._slot_events, self._issued = {}, {}, {}
+        self._consume, self._slot_events, self._prepared_plans = {}, {}, {}
         if self._stream is not None and drained:
             try:
                 self.api.stream_destroy(self._stream)
