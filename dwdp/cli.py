@@ -75,6 +75,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
     serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
+    serve.add_argument("--mode", choices=("dwdp", "dep"), default="dwdp",
+                       help="dwdp: every rank an independent DWDP worker (default); dep: the expert-parallel "
+                            "baseline, ranks stepping together (all-to-alls, idle steps)")
+    serve.add_argument("--step-timeout", type=float, default=30.0,
+                       help="dep: seconds a rank waits for its peers at one collective before failing the step")
+    serve.add_argument("--batch-order", choices=("fifo", "shortest"), default="fifo",
+                       help="which queued prompts a forward takes: arrival order, or shortest first within "
+                            "--fairness (default fifo)")
+    serve.add_argument("--fairness", type=float, default=0.5,
+                       help="shortest: a prompt queued this many seconds goes first whatever its length (default 0.5)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from .bench_compare import add_arguments as add_compare_arguments
@@ -158,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_body_bytes=args.max_body_bytes, kv_dir=args.kv_dir, slice_bytes=args.slice_bytes,
                 expert_replicas=args.expert_replicas, peer_timeout_s=args.peer_timeout,
                 stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
-                threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout)
+                threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, mode=args.mode,
+                step_timeout_s=args.step_timeout, batch_order=args.batch_order, fairness_s=args.fairness)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         return run_server(config)

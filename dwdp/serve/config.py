@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRESETS = ("tiny",)
+MODES = ("dwdp", "dep")
+BATCH_ORDERS = ("fifo", "shortest")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -42,6 +44,13 @@ class ServeConfig:
     threads_per_worker: torch intra-op threads of each worker.
     startup_timeout_s: longest wait for every worker to build its model and join the group.
     drain_timeout_s: longest graceful shutdown waits for requests in flight.
+    mode: "dwdp" (every rank an independent DWDP worker) or "dep" (the expert-parallel baseline:
+        ranks step together, each step one forward per rank or an idle step, dwdp.serve.dep_worker).
+    step_timeout_s: DEP only: longest a rank waits for its peers at one collective of a step before
+        it fails the step, naming the peers it waited for.
+    batch_order: which queued prompts a forward takes (dwdp.serve.scheduling): "fifo" (arrival
+        order) or "shortest" (shortest first, but never past a prompt older than `fairness_s`).
+    fairness_s: "shortest" only: a prompt queued this long goes first, whatever its length.
     """
 
     ranks: int = 2
@@ -63,6 +72,10 @@ class ServeConfig:
     threads_per_worker: int = 1
     startup_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
+    mode: str = "dwdp"
+    step_timeout_s: float = 30.0
+    batch_order: str = "fifo"
+    fairness_s: float = 0.5
 
     def __post_init__(self):
         _check_int("ranks", self.ranks, 1)
@@ -87,6 +100,18 @@ class ServeConfig:
         _check_int("threads_per_worker", self.threads_per_worker, 1)
         _check_seconds("startup_timeout_s", self.startup_timeout_s)
         _check_seconds("drain_timeout_s", self.drain_timeout_s)
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+        if self.mode == "dep" and self.expert_replicas != 1:
+            raise ValueError(f"expert_replicas={self.expert_replicas}: DEP keeps one disjoint share of the experts "
+                             "per rank (a lost rank stops the group); replicas are a DWDP option")
+        if self.mode == "dep" and self.fault_injection:
+            raise ValueError("fault_injection makes a DWDP rank's expert memory unreadable to its peers; DEP mode "
+                             "has no such memory (kill a worker instead)")
+        _check_seconds("step_timeout_s", self.step_timeout_s)
+        if self.batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order={self.batch_order!r} is not one of {BATCH_ORDERS}")
+        _check_seconds("fairness_s", self.fairness_s)
 
     @property
     def health_interval_s(self) -> float:
