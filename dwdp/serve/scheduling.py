@@ -29,7 +29,7 @@ def take_forward(pending: deque, max_num_tokens: int, order: str = "fifo", fairn
     if order != "shortest":
         raise ValueError(f"order={order!r} is not 'fifo' or 'shortest'")
     jobs = list(pending)
-    aged = [i for i, job in enumerate(jobs) if now - job.enqueued >= fairness_s]
+    aged = sorted((i for i, job in enumerate(jobs) if now - job.enqueued >= fairness_s), key=lambda i: jobs[i].enqueued)
     is_aged = set(aged)
     fresh = sorted((i for i, job in enumerate(jobs) if now - job.enqueued < fairness_s),
                    key=lambda i: (len(jobs[i].input_ids), i))
