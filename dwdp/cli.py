@@ -94,6 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_regimes_arguments(bench_sub.add_parser("regimes", help="DWDP against replicated and copy-then-compute, "
                                                "from small forwards to large ones, two expert sizes"))
+    from .bench_serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(bench_sub.add_parser("serve", help="DWDP serving against DEP serving: TTFT and throughput "
+                                             "under open-loop Poisson load, through the openai client"))
     return parser
 
 
@@ -177,6 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_compare import run_compare
 
         return run_compare(args)
+    if args.command == "bench" and args.bench == "serve":
+        from .bench_serve import run_bench_serve
+
+        return run_bench_serve(args)
     if args.command == "bench" and args.bench == "regimes":
         from .bench_regimes import run_regimes
 
