@@ -51,7 +51,7 @@ def _sample(sent, ttft, tokens=10, rank=0, ok=True):
 @pytest.mark.timeout(10)
 def test_summary_counts_failures_and_sustained_rates():
     samples = [_sample(0.0, 0.2), _sample(0.5, 0.4, rank=1), _sample(1.0, 1.0, ok=False)]
-    row = summarise(samples, 3.0, 2, slo_s=0.5)
+    row = summarise(samples, 1.0, 2, slo_s=0.5)  # achieved 1/s: only the failure makes it unsustained
     assert row["failed"] == 1 and row["ok"] == 2 and not row["sustained"] and not row["within_slo"], row
     assert row["makespan_s"] == pytest.approx(2.0) and row["achieved_rps"] == pytest.approx(1.0)
     assert row["tokens_per_s_per_rank"] == pytest.approx(20 / 2.0 / 2) and row["tokens_per_rank"] == [10, 10]
