@@ -81,8 +81,8 @@ def main() -> int:
           f"{'r1 cpu ms':>9} {'r1 comm/wait':>12}")
     for r in rows:
         a, b = r["rank0"], r["rank1"]
-        print(f"{r['scenario']:>8} {r['mode']:>10} {a['wall_ms']:>10.1f} {a['cpu_ms']:>9.1f} {a['comm_or_wait_ms']:>12.1f} "
-              f"{b['wall_ms']:>10.1f} {b['cpu_ms']:>9.1f} {b['comm_or_wait_ms']:>12.1f}")
+        print(f"{r['scenario']:>8} {r['mode']:>10} {a['wall_ms']:>10.1f} {a['cpu_ms']:>9.1f} "
+              f"{a['comm_or_wait_ms']:>12.1f} {b['wall_ms']:>10.1f} {b['cpu_ms']:>9.1f} {b['comm_or_wait_ms']:>12.1f}")
     return 0
 
 

@@ -12,7 +12,7 @@ mean time queued at the worker, in the forward, and in the rest (KV write, route
 the wait inside forwards (DWDP: exposed prefetch wait; DEP: time in all-to-alls), failed requests.
 Every figure is computed from the per-request samples stored beside it (`samples`), so it can be
 recomputed from the JSON. A rate is *sustained* when nothing failed and the achieved rate is at
-least `SUSTAINED_SHARE` of the offered one; *max load at SLO* is the highest achieved prompt
+least `SUSTAINED_SHARE` of the rate its plan drew (sent / duration); *max load at SLO* is the highest achieved prompt
 tokens/s per rank among sustained rates whose p99 TTFT is within --slo.
 
 Prints the table last; writes bench/results/serve_compare_<device>.json and a plot of TTFT p50 and
@@ -44,7 +44,7 @@ PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("--variants", default="dwdp,dep",
+    p.add_argument("--variants", default="dwdp,dep,dwdp:shortest,dep:shortest",
                    help="comma-separated MODE[:ORDER] served one after the other, e.g. dwdp,dep,dwdp:shortest "
                         "(ORDER: the server's --batch-order; default fifo)")
     p.add_argument("--ranks", type=int, default=2, help="worker ranks of every server (default 2)")
@@ -53,14 +53,16 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--isl-ratio", type=float, default=0.5, help="shortest / longest prompt, uniform mix (default 0.5)")
     p.add_argument("--isl-cv", type=float, default=0.3,
                    help="normal mix: standard deviation / mean (its mean is the uniform mix's); 0 skips the mix")
-    p.add_argument("--rates", default="2,4,6,8,10", help="offered requests/s, comma-separated")
-    p.add_argument("--duration", type=float, default=15.0, help="seconds of arrivals per rate (default 15)")
+    p.add_argument("--rates", default="2,4,6,8,10,12", help="offered requests/s, comma-separated")
+    p.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per rate (default 12)")
     p.add_argument("--slo", type=float, default=1.0, help="p99 TTFT bound in seconds for max load at SLO (default 1)")
     p.add_argument("--timeout", type=float, default=120.0, help="longest wait for one answer, s")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--fairness", type=float, default=0.5, help="servers' --fairness for the shortest order, s")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON path (default bench/results/serve_compare_cpu.json)")
+    p.add_argument("--from", dest="stored", metavar="JSON",
+                   help="serve nothing: recompute a stored run's figures from its samples, rewrite it and its plot")
     return p
 
 
@@ -149,14 +151,19 @@ def percentile(values, q: float) -> float:
     return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
-def summarise(samples: list[dict], offered_rps: float, ranks: int, slo_s: float) -> dict:
-    """Every figure of one point, from its samples alone (so tests and readers can recompute it)."""
+def summarise(samples: list[dict], offered_rps: float, ranks: int, slo_s: float, duration_s: float) -> dict:
+    """Every figure of one point, from its samples alone (so tests and readers can recompute it).
+
+    Times run from the plan's start; the makespan ends with the last answer. The plan's own rate
+    (sent / duration_s) is what a Poisson draw actually offered; the point is sustained when nothing
+    failed and the achieved rate reaches SUSTAINED_SHARE of it: the backlog drained within
+    duration_s / SUSTAINED_SHARE."""
     ok = [s for s in samples if s["ok"]]
-    first = min(s["sent_s"] for s in samples)
-    makespan = max(s["sent_s"] + s["ttft_s"] for s in samples) - first
+    makespan = max(s["sent_s"] + s["ttft_s"] for s in samples)
     ttft = [s["ttft_s"] for s in ok]
     mean = lambda key: float(np.mean([s[key] for s in ok])) if ok else float("nan")  # noqa: E731
-    row = {"offered_rps": offered_rps, "sent": len(samples), "ok": len(ok), "failed": len(samples) - len(ok),
+    row = {"offered_rps": offered_rps, "plan_rps": len(samples) / duration_s, "sent": len(samples), "ok": len(ok),
+           "failed": len(samples) - len(ok),
            "makespan_s": makespan, "achieved_rps": len(ok) / makespan,
            "tokens_per_s_per_rank": sum(s["tokens"] for s in ok) / makespan / ranks,
            **{f"ttft_p{q}_s": percentile(ttft, q) for q in PERCENTILES},
@@ -165,7 +172,7 @@ def summarise(samples: list[dict], offered_rps: float, ranks: int, slo_s: float)
            float("nan"),
            "wait_in_forward_mean_s": mean("wait_s"), "batch_mean": mean("batch_size"),
            "tokens_per_rank": [sum(s["tokens"] for s in ok if s["rank"] == r) for r in range(ranks)]}
-    row["sustained"] = row["failed"] == 0 and row["achieved_rps"] >= SUSTAINED_SHARE * offered_rps
+    row["sustained"] = row["failed"] == 0 and row["achieved_rps"] >= SUSTAINED_SHARE * row["plan_rps"]
     row["within_slo"] = row["sustained"] and row["ttft_p99_s"] <= slo_s
     return row
 
@@ -180,30 +187,45 @@ def max_load_at_slo(rows: list[dict]) -> dict | None:
             "tokens_per_s_per_rank": best["tokens_per_s_per_rank"], "ttft_p99_s": best["ttft_p99_s"]}
 
 
-def compare(results: dict, baseline: str = "dep") -> dict:
-    """Per mix and variant: max load at SLO over the baseline's, and the rates both sustain where the
-    variant's TTFT p50 or p99 is worse than the baseline's."""
+def compare(results: dict) -> dict:
+    """Per mix, every DWDP variant against every DEP variant: max load at SLO over the DEP one's, and
+    the rates both sustain where the DWDP variant's TTFT p50 or p99 is worse."""
     out = {}
     for mix, by_variant in results.items():
-        base = by_variant.get(baseline)
-        if base is None:
-            continue
-        base_load = base["max_load_at_slo"]
         for name, entry in by_variant.items():
-            if name == baseline:
+            if not name.startswith("dwdp"):
                 continue
-            load = entry["max_load_at_slo"]
-            ratio = (load["tokens_per_s_per_rank"] / base_load["tokens_per_s_per_rank"]
-                     if load and base_load else None)
-            worse = []
-            for mine, theirs in zip(entry["rows"], base["rows"]):
-                if mine["sustained"] and theirs["sustained"]:
-                    for q in (50, 99):
-                        if mine[f"ttft_p{q}_s"] > theirs[f"ttft_p{q}_s"]:
-                            worse.append({"offered_rps": mine["offered_rps"], "percentile": q,
-                                          "variant_s": mine[f"ttft_p{q}_s"], "baseline_s": theirs[f"ttft_p{q}_s"]})
-            out.setdefault(mix, {})[name] = {"max_load_ratio": ratio, "ttft_worse_at": worse}
+            for base_name, base in by_variant.items():
+                if not base_name.startswith("dep"):
+                    continue
+                load, base_load = entry["max_load_at_slo"], base["max_load_at_slo"]
+                ratio = (load["tokens_per_s_per_rank"] / base_load["tokens_per_s_per_rank"]
+                         if load and base_load else None)
+                worse = []
+                for mine, theirs in zip(entry["rows"], base["rows"]):
+                    if mine["sustained"] and theirs["sustained"]:
+                        for q in (50, 99):
+                            if mine[f"ttft_p{q}_s"] > theirs[f"ttft_p{q}_s"]:
+                                worse.append({"offered_rps": mine["offered_rps"], "percentile": q,
+                                              "variant_s": mine[f"ttft_p{q}_s"], "baseline_s": theirs[f"ttft_p{q}_s"]})
+                out.setdefault(mix, {})[f"{name} vs {base_name}"] = {"max_load_ratio": ratio, "ttft_worse_at": worse}
     return out
+
+
+def resummarise(data: dict) -> dict:
+    """A stored run's figures recomputed from its samples (after a change to how they are summarised)."""
+    meta = data["meta"]
+    for by_variant in data["results"].values():
+        for entry in by_variant.values():
+            rows = []
+            for row in entry["rows"]:
+                again = summarise(row["samples"], row["offered_rps"], meta["ranks"], meta["slo_p99_s"],
+                                  meta["duration_s"])
+                again["samples"] = row["samples"]
+                rows.append(again)
+            entry["rows"], entry["max_load_at_slo"] = rows, max_load_at_slo(rows)
+    data["comparison"] = compare(data["results"])
+    return data
 
 
 def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
@@ -275,7 +297,7 @@ def run_variant(mode: str, order: str, args, plans: dict, progress=print) -> dic
             rows = []
             for rate, plan in points:
                 samples, _ = asyncio.run(send_plan(server.url, model_name, plan, args.timeout))
-                row = summarise(samples, rate, args.ranks, args.slo)
+                row = summarise(samples, rate, args.ranks, args.slo, args.duration)
                 row["samples"] = samples
                 rows.append(row)
                 progress(f"  {name:>14} {mix:>28} {rate:>5g}/s: {row['ok']}/{row['sent']} ok, p50 "
@@ -288,10 +310,24 @@ def run_variant(mode: str, order: str, args, plans: dict, progress=print) -> dic
 
 def command_line(args: argparse.Namespace) -> str:
     return "dwdp bench serve " + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-                                          if v is not None and k not in ("out", "command", "bench"))
+                                          if v is not None and k not in ("out", "command", "bench", "stored"))
+
+
+def rewrite_stored(path: Path) -> int:
+    data = resummarise(json.loads(path.read_text()))
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    meta = data["meta"]
+    load = meta["load_average_1min"]
+    plot(data["results"], meta["slo_p99_s"], path.with_suffix(".png"),
+         f"{meta['ranks']} ranks, tiny preset, max-num-tokens {meta['max_num_tokens']}, CPU (1-min load "
+         f"{load['before']:.1f} before, {load['after']:.1f} after)")
+    report(data)
+    return 0
 
 
 def run_bench_serve(args: argparse.Namespace) -> int:
+    if args.stored:
+        return rewrite_stored(Path(args.stored))
     variants = parse_variants(args.variants)
     rates = [float(x) for x in args.rates.split(",")]
     if min(rates) <= 0 or args.duration <= 0 or args.slo <= 0:
@@ -321,18 +357,24 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             "wall_s": time.time() - started,
             "note": "the machine is shared: other jobs ran beside this sweep (see the load average); the "
                     "client and the router share its cores with the workers"}
-    comparison = compare(results)
-    out.write_text(json.dumps({"meta": meta, "results": results, "comparison": comparison}, indent=1) + "\n")
+    data = {"meta": meta, "results": results, "comparison": compare(results)}
+    out.write_text(json.dumps(data, indent=1) + "\n")
     png = out.with_suffix(".png")
     plot(results, args.slo, png, f"{args.ranks} ranks, tiny preset, max-num-tokens {args.max_num_tokens}, CPU "
          f"(1-min load {load_before:.1f} before, {load_after:.1f} after)")
     print(f"\ndwdp bench serve: {args.ranks} ranks, max-num-tokens {args.max_num_tokens}; 1-min load average "
           f"{load_before:.2f} before, {load_after:.2f} after on {os.cpu_count()} CPUs; {out} and {png}")
-    for mix, by_variant in comparison.items():
-        for name, c in by_variant.items():
-            ratio = "n/a (a mode meets the SLO at no rate)" if c["max_load_ratio"] is None else \
+    report(data)
+    return 0
+
+
+def report(data: dict) -> None:
+    """The comparison lines and the table of a run."""
+    slo = data["meta"]["slo_p99_s"]
+    for mix, pairs in data["comparison"].items():
+        for pair, c in pairs.items():
+            ratio = "n/a (one of them meets the bound at no rate)" if c["max_load_ratio"] is None else \
                 f"{c['max_load_ratio']:.2f}x"
             worse = ", ".join(f"{w['offered_rps']:g}/s p{w['percentile']}" for w in c["ttft_worse_at"]) or "none"
-            print(f"{mix}: {name} max load at p99 <= {args.slo:g} s vs dep: {ratio}; TTFT worse than dep at: {worse}")
-    print(format_table(results))
-    return 0
+            print(f"{mix}: {pair}: max load at p99 <= {slo:g} s {ratio}; TTFT worse at rates both sustain: {worse}")
+    print(format_table(data["results"]))

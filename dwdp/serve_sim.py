@@ -127,11 +127,11 @@ def summarise_ttft(plan, done, overhead_s: float, rate: float, ranks: int, susta
     ttft = np.array([end - arrival + overhead_s for arrival, end in done])
     first = min(a for a, _ in plan)
     makespan = max(end for _, end in done) + overhead_s - first
-    achieved = len(done) / makespan
+    achieved = float(len(done) / makespan)
     return {"offered_rps": rate, "requests": len(done), "achieved_rps": achieved,
             "tokens_per_s_per_rank": sum(lengths[a] for a, _ in done) / makespan / ranks,
             **{f"ttft_p{q}_s": float(np.percentile(ttft, q)) for q in PERCENTILES},
-            "sustained": achieved >= sustained_share * rate}
+            "sustained": bool(achieved >= sustained_share * rate)}
 
 
 def simulate_rates(mix: RequestMix, rates: list[float], duration_s: float, ranks: int, max_num_tokens: int,
@@ -150,15 +150,18 @@ def simulate_rates(mix: RequestMix, rates: list[float], duration_s: float, ranks
 
 def fitted_service(results: dict, mix: str) -> Service:
     """Lines `seconds = a + b x padded tokens` fitted to the forwards a `dwdp bench serve` run measured
-    (fifo variants; every sample of `mix`); DEP's step is its line at the busiest rank's padded tokens.
-    Overheads are the measured mean TTFT minus queue and forward time."""
+    (fifo variants, the rates they sustained, or every rate when none was); DEP's step is its line at
+    the busiest rank's padded tokens. Overheads are the measured mean TTFT minus queue and forward
+    time. Forwards of overloaded rates are left out: there the client and the router, busy with
+    hundreds of open requests, take CPU from the workers of a small machine and stretch them."""
     fits, overhead = {}, {}
     for mode in ("dwdp", "dep"):
-        samples = [s for row in results[mix][mode]["rows"] for s in row["samples"] if s["ok"]]
+        rows = [r for r in results[mix][mode]["rows"] if r.get("sustained", True)] or results[mix][mode]["rows"]
+        samples = [s for row in rows for s in row["samples"] if s["ok"]]
         x = np.array([s["batch_tokens"] for s in samples], float)
         y = np.array([s["prefill_s"] for s in samples], float)
         b, a = np.polyfit(x, y, 1)
-        fits[mode] = (max(a, 0.0), max(b, 0.0))
+        fits[mode] = (max(float(a), 0.0), max(float(b), 0.0))
         overhead[mode] = float(np.mean([s["ttft_s"] - s["queue_s"] - s["prefill_s"] for s in samples]))
 
     def padded(lengths: list[int]) -> int:

@@ -16,8 +16,8 @@ from dwdp.packing import RequestMix
 @pytest.mark.timeout(240)
 def test_tiny_sweep_recomputes_from_its_samples(tmp_path):
     out = tmp_path / "serve_compare.json"
-    cmd = [sys.executable, "-m", "dwdp", "bench", "serve", "--rates", "6", "--duration", "1.5", "--isl", "64",
-           "--max-num-tokens", "128", "--isl-cv", "0.3", "--slo", "5", "--out", str(out)]
+    cmd = [sys.executable, "-m", "dwdp", "bench", "serve", "--variants", "dwdp,dep", "--rates", "6", "--duration",
+           "1.5", "--isl", "64", "--max-num-tokens", "128", "--isl-cv", "0.3", "--slo", "5", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -31,7 +31,8 @@ def test_tiny_sweep_recomputes_from_its_samples(tmp_path):
             for row in entry["rows"]:
                 samples = row["samples"]
                 assert row["failed"] == 0 and all(s["ok"] for s in samples), [s for s in samples if not s["ok"]]
-                again = summarise(samples, row["offered_rps"], data["meta"]["ranks"], data["meta"]["slo_p99_s"])
+                meta = data["meta"]
+                again = summarise(samples, row["offered_rps"], meta["ranks"], meta["slo_p99_s"], meta["duration_s"])
                 for key, value in again.items():
                     assert row[key] == value, (mix, name, row["offered_rps"], key, row[key], value)
                 ttft = [s["ttft_s"] for s in samples]
@@ -51,10 +52,13 @@ def _sample(sent, ttft, tokens=10, rank=0, ok=True):
 @pytest.mark.timeout(10)
 def test_summary_counts_failures_and_sustained_rates():
     samples = [_sample(0.0, 0.2), _sample(0.5, 0.4, rank=1), _sample(1.0, 1.0, ok=False)]
-    row = summarise(samples, 1.0, 2, slo_s=0.5)  # achieved 1/s: only the failure makes it unsustained
+    row = summarise(samples, 1.0, 2, slo_s=0.5, duration_s=2.0)  # plan 1.5/s, achieved 1/s
     assert row["failed"] == 1 and row["ok"] == 2 and not row["sustained"] and not row["within_slo"], row
     assert row["makespan_s"] == pytest.approx(2.0) and row["achieved_rps"] == pytest.approx(1.0)
+    assert row["plan_rps"] == pytest.approx(1.5)
     assert row["tokens_per_s_per_rank"] == pytest.approx(20 / 2.0 / 2) and row["tokens_per_rank"] == [10, 10]
+    fine = summarise(samples[:2], 1.0, 2, slo_s=0.5, duration_s=1.0)  # plan 2/s, 2 answers by 0.9 s
+    assert fine["sustained"] and fine["within_slo"], fine
     assert row["ttft_p50_s"] == pytest.approx(0.3), "failed requests must not enter the TTFT percentiles"
     assert row["other_mean_s"] == pytest.approx(0.4 * 0.3)
 

@@ -107,8 +107,9 @@ def test_every_prompt_matches_the_unwrapped_model_whatever_the_peers_hold(tmp_pa
                 float(want_logits.max() - want_logits[result.first_token_id]) <= ATOL, (rid, result.first_token_id)
             got_layers, _ = read_kv_artifact(result.kv["path"])
             for layer, ((k, v), (rk, rv)) in enumerate(zip(got_layers, want_layers)):
-                torch.testing.assert_close(k, rk, atol=ATOL, rtol=RTOL, msg=lambda m: f"{rid} layer {layer} keys: {m}")
-                torch.testing.assert_close(v, rv, atol=ATOL, rtol=RTOL, msg=lambda m: f"{rid} layer {layer} values: {m}")
+                for name, got, want in (("keys", k, rk), ("values", v, rv)):
+                    torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL,
+                                               msg=lambda m: f"{rid} layer {layer} {name}: {m}")
 
 
 @pytest.mark.timeout(90)
@@ -129,5 +130,6 @@ def test_a_peer_lost_mid_step_fails_the_others_prompts_by_name(tmp_path, fault, 
     answers = [m for m in survivor["messages"] if isinstance(m, (PrefillResult, PrefillError))]
     assert sorted(m.request_id for m in answers) == [f"r0-{i}" for i in range(4)], answers
     errors = [m for m in answers if isinstance(m, PrefillError)]
-    assert errors and all(e.error_type == "dep_group_broken" and e.message == survivor["broken"] for e in errors), errors
+    assert errors, answers
+    assert all(e.error_type == "dep_group_broken" and e.message == survivor["broken"] for e in errors), errors
     assert len(survivor["steps"]) == 1, "rank 0 answered more forwards than ran before the fault"

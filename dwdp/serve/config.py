@@ -48,8 +48,9 @@ class ServeConfig:
         ranks step together, each step one forward per rank or an idle step, dwdp.serve.dep_worker).
     step_timeout_s: DEP only: longest a rank waits for its peers at one collective of a step before
         it fails the step, naming the peers it waited for.
-    batch_order: which queued prompts a forward takes (dwdp.serve.scheduling): "fifo" (arrival
-        order) or "shortest" (shortest first, but never past a prompt older than `fairness_s`).
+    batch_order: which queued prompts a forward takes (dwdp.serve.scheduling): "shortest" (shortest
+        first, but never past a prompt older than `fairness_s`; the default: it won `dwdp bench serve`)
+        or "fifo" (arrival order).
     fairness_s: "shortest" only: a prompt queued this long goes first, whatever its length.
     """
 
@@ -74,7 +75,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     mode: str = "dwdp"
     step_timeout_s: float = 30.0
-    batch_order: str = "fifo"
+    batch_order: str = "shortest"
     fairness_s: float = 0.5
 
     def __post_init__(self):
