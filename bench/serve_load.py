@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from dwdp.bench_serve import render_table
 from dwdp.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.timing import load_average_1min
@@ -129,13 +130,6 @@ def format_table(rows: list[dict]) -> str:
               f"{r['batch_mean']:.1f}", f"{r['client_token_cv']:.2f}", f"{r['rank_token_cv']:.2f}",
               f"{r['prefetch_wait_s']:.2f}") for r in rows]
     return render_table(header, lines)
-
-
-def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
-    """Right-aligned columns under `header`, with a rule below it."""
-    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*x) for x in lines])
 
 
 def command_line(script: str, args: argparse.Namespace) -> str:

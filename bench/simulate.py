@@ -27,6 +27,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from dwdp import costmodel as cm  # noqa: E402
+from dwdp.packing import RequestMix  # noqa: E402
+from dwdp.serve_sim import analytic_service, fitted_service, simulate_rates  # noqa: E402
 from dwdp.simulate import ROWS, SimConfig, simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,9 +91,20 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=2)
     p.add_argument("--breakdown", action="store_true", help="print the per-category breakdown of every setting")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ttft-rates", type=float, nargs="+", default=None,
+                   help="also predict TTFT p50/p90/p99 of both modes under Poisson arrivals at these requests/s "
+                        "(whole group), for the first setting (dwdp.serve_sim)")
+    p.add_argument("--ttft-duration", type=float, default=120.0, help="seconds of arrivals per TTFT rate")
+    p.add_argument("--ttft-from", metavar="JSON",
+                   help="predict TTFT from a `dwdp bench serve` run instead: its rates, mixes, ranks and "
+                        "max-num-tokens, forward times fitted to its measured forwards; prints the prediction "
+                        "beside the measurement and writes bench/results/simulate_ttft_cpu.json")
     args = p.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
+    if args.ttft_from:
+        ttft_from_measurement(Path(args.ttft_from), args.seed)
+        return
     constants = print_constants(args.hw)
 
     mixes = [("std", s) for s in args.isl_std] if args.isl_std else [("ratio", r) for r in args.isl_ratio]
@@ -141,7 +154,75 @@ def main() -> None:
               f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['dep_sync_frac']:>8.3f} "
               f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_wait_frac']:>9.3f} {r['dwdp_interference_frac']:>7.3f} "
               f"{r['stretch']:>7.3f} {str(r['dwdp_fits']):>5}")
+    if args.ttft_rates:
+        first = next(iter(itertools.product(args.group_size, args.isl, mixes, args.mnts)))
+        g, isl, (kind, spread), mnt = first
+        cfg = SimConfig(args.model, args.hw, g, args.dtype, isl, spread if kind == "ratio" else 1.0,
+                        spread if kind == "std" else None, mnt, None, 20, args.num_local_experts, plan=args.plan,
+                        slice_bytes=args.slice_mib << 20, inflight=args.inflight, seed=args.seed)
+        service = analytic_service(cfg)
+        mix = RequestMix(isl, cfg.isl_ratio, cfg.isl_std)
+        predicted = simulate_rates(mix, args.ttft_rates, args.ttft_duration, g, mnt, service, args.seed)
+        print(f"\nPredicted TTFT (analytic, not measured): {service.source}; {mix.describe()}, max-num-tokens {mnt}, "
+              f"Poisson arrivals for {args.ttft_duration:g} s per rate, router and batching as `dwdp serve`")
+        print(ttft_table(predicted))
+        path = RESULTS / f"{stem}_ttft.json"
+        path.write_text(json.dumps({"what": "analytic prediction (dwdp.serve_sim over the cost model), nothing "
+                                    "measured", "service": service.source, "mix": mix.describe(), "group_size": g,
+                                    "max_num_tokens": mnt, "rates": args.ttft_rates, "predicted": predicted},
+                                   indent=1) + "\n")
     print(f"({time.perf_counter() - start:.1f} s)")
+
+
+def ttft_table(predicted: dict, measured: dict | None = None) -> str:
+    """One line per mode and rate: predicted TTFT p50/p99 (and the measured ones beside them)."""
+    lines = [f"{'mode':>14} {'req/s':>6} {'tok/s/rank':>10} {'p50 ms':>8} {'p99 ms':>8}"
+             + (f" {'meas p50':>9} {'meas p99':>9}" if measured else "")]
+    for mode, rows in predicted.items():
+        for i, r in enumerate(rows):
+            line = (f"{mode:>14} {r['offered_rps']:>6g} {r['tokens_per_s_per_rank']:>10.0f} "
+                    f"{1e3 * r['ttft_p50_s']:>8.0f} {1e3 * r['ttft_p99_s']:>8.0f}")
+            if measured:
+                m = measured[mode][i]
+                line += f" {1e3 * m['ttft_p50_s']:>9.0f} {1e3 * m['ttft_p99_s']:>9.0f}"
+            lines.append(line)
+    return "\n".join(lines)
+
+
+def ttft_from_measurement(path: Path, seed: int) -> None:
+    """TTFT of both modes predicted from a measured `dwdp bench serve` run's own forwards, beside it."""
+    data = json.loads(path.read_text())
+    meta, out = data["meta"], {}
+    for mix_name, by_variant in data["results"].items():
+        if "dwdp" not in by_variant or "dep" not in by_variant:
+            continue
+        service = fitted_service(data["results"], mix_name)
+        mix = mix_from_description(mix_name)
+        predicted = simulate_rates(mix, meta["rates"], meta["duration_s"], meta["ranks"], meta["max_num_tokens"],
+                                   service, seed)
+        measured = {mode: by_variant[mode]["rows"] for mode in ("dwdp", "dep")}
+        print(f"\n{mix_name}: TTFT predicted by dwdp.serve_sim ({service.source}; overheads "
+              f"{ {k: round(v, 4) for k, v in service.overhead_s.items()} } s) beside the measurement of {path}")
+        print(ttft_table(predicted, measured))
+        out[mix_name] = {"service": service.source, "overhead_s": service.overhead_s, "predicted": predicted,
+                         "measured": {mode: [{k: r[k] for k in ("offered_rps", "ttft_p50_s", "ttft_p90_s",
+                                                                  "ttft_p99_s", "tokens_per_s_per_rank")}
+                                             for r in rows] for mode, rows in measured.items()}}
+    target = RESULTS / "simulate_ttft_cpu.json"
+    target.write_text(json.dumps({"what": "TTFT predicted by a queueing simulation (dwdp.serve_sim) with forward "
+                                  "times fitted to the measured run, beside that run's measurement",
+                                  "measured_run": str(path), "command": meta["command"], "results": out},
+                                 indent=1) + "\n")
+    print(f"written {target}")
+
+
+def mix_from_description(text: str) -> RequestMix:
+    """RequestMix back from its describe(): 'L ~ uniform[256, 512]' or 'L ~ normal(384, 115.2)'."""
+    kind, _, numbers = text.partition("~ ")[2].partition("(" if "normal" in text else "[")
+    a, b = (float(x) for x in numbers.rstrip(")]").split(","))
+    if kind == "normal":
+        return RequestMix(int(a), isl_std=b)
+    return RequestMix(int(b), a / b)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="cpu (host backend) or cuda: worker r on cuda:(r %% GPUs), cuda backend (default cpu)")
     serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                        help="model dtype (default bf16 on cuda, fp32 on cpu)")
+    serve.add_argument("--mode", choices=("dwdp", "dep"), default="dwdp",
+                       help="dwdp: every rank an independent DWDP worker (default); dep: the expert-parallel "
+                            "baseline, ranks stepping together (all-to-alls, idle steps)")
+    serve.add_argument("--step-timeout", type=float, default=30.0,
+                       help="dep: seconds a rank waits for its peers at one collective before failing the step")
+    serve.add_argument("--batch-order", choices=("fifo", "shortest"), default="shortest",
+                       help="which queued prompts a forward takes: shortest first within --fairness (default; "
+                            "it won `dwdp bench serve`), or arrival order")
+    serve.add_argument("--fairness", type=float, default=0.5,
+                       help="shortest: a prompt queued this many seconds goes first whatever its length (default 0.5)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from .bench_compare import add_arguments as add_compare_arguments
@@ -99,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_regimes_arguments(bench_sub.add_parser("regimes", help="DWDP against replicated and copy-then-compute, "
                                                "from small forwards to large ones, two expert sizes"))
+    from .bench_serve import add_arguments as add_serve_arguments
+
+    add_serve_arguments(bench_sub.add_parser("serve", help="DWDP serving against DEP serving: TTFT and throughput "
+                                             "under open-loop Poisson load, through the openai client"))
     return parser
 
 
@@ -188,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                 expert_replicas=args.expert_replicas, peer_timeout_s=args.peer_timeout,
                 stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
-                dtype=args.dtype)
+                dtype=args.dtype, mode=args.mode, step_timeout_s=args.step_timeout, batch_order=args.batch_order,
+                fairness_s=args.fairness)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         if config.device == "cuda":
@@ -204,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         from .bench_compare import run_compare
 
         return run_compare(args)
+    if args.command == "bench" and args.bench == "serve":
+        from .bench_serve import run_bench_serve
+
+        return run_bench_serve(args)
     if args.command == "bench" and args.bench == "regimes":
         from .bench_regimes import run_regimes
 

@@ -87,7 +87,11 @@ def test_kv_artifact_round_trip_is_bit_exact(tmp_path, dtype):
 @pytest.mark.parametrize("kwargs,field", [
     ({"ranks": 0}, "ranks"), ({"port": 70000}, "port"), ({"preset": "huge"}, "preset"),
     ({"max_num_tokens": 0}, "max_num_tokens"), ({"max_num_tokens": 64, "max_queue_tokens": 32}, "max_queue_tokens"),
-    ({"drain_timeout_s": 0}, "drain_timeout_s"),
+    ({"drain_timeout_s": 0}, "drain_timeout_s"), ({"mode": "ep"}, "mode"),
+    ({"mode": "dep", "expert_replicas": 2}, "expert_replicas"), ({"mode": "dep", "fault_injection": True},
+                                                                 "fault_injection"),
+    ({"step_timeout_s": 0}, "step_timeout_s"), ({"batch_order": "lifo"}, "batch_order"),
+    ({"fairness_s": -1}, "fairness_s"),
 ])
 def test_serve_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -199,3 +203,85 @@ def test_a_forward_failing_for_lost_experts_answers_retryable_and_reports_at_onc
     health = [m for m in messages if isinstance(m, WorkerHealth)]
     assert len(health) == 1 and not health[0].status["can_serve_all"], health
     assert health[0].status["unservable_experts"] == (4,) and health[0].status["lost"] == status.lost, health
+
+
+def aged_jobs(*specs):
+    """PrefillJob per (length, seconds queued at now=10)."""
+    return deque(PrefillJob(f"r{i}", tuple(range(3, 3 + n)), 10.0 - age) for i, (n, age) in enumerate(specs))
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("specs,budget,first,left", [
+    # shortest first, and similar lengths together: 3 x 4 fits 12, the 9 does not join them
+    (((9, 0.1), (4, 0.1), (4, 0.1), (4, 0.1)), 12, ["r1", "r2", "r3"], ["r0"]),
+    # the 9 has waited past the fairness bound: it goes first, then what still fits (2 x 9 > 12)
+    (((9, 0.6), (4, 0.1), (4, 0.1), (4, 0.1)), 12, ["r0"], ["r1", "r2", "r3"]),
+    # two aged prompts go oldest first, then fresh ones by length
+    (((2, 0.7), (5, 0.1), (1, 0.1), (3, 0.9)), 12, ["r3", "r0", "r2"], ["r1"]),
+    # an aged prompt that does not fit beside the first aged one waits, still ahead of fresh ones
+    (((3, 0.8), (12, 0.7), (1, 0.1)), 12, ["r0"], ["r1", "r2"]),
+])
+def test_shortest_first_within_the_fairness_bound(specs, budget, first, left):
+    from dwdp.serve.scheduling import take_forward
+
+    pending = aged_jobs(*specs)
+    batch = take_forward(pending, budget, "shortest", fairness_s=0.5, now=10.0)
+    assert [j.request_id for j in batch] == first, [j.request_id for j in batch]
+    assert [j.request_id for j in pending] == left, "the rest must stay queued in arrival order"
+    assert len(batch) * max(len(j.input_ids) for j in batch) <= budget
+
+
+@pytest.mark.timeout(10)
+def test_fifo_order_is_take_batch():
+    from dwdp.serve.scheduling import take_forward
+
+    pending = aged_jobs((9, 0.1), (4, 0.1), (4, 0.1))
+    assert [j.request_id for j in take_forward(pending, 12, "fifo")] == ["r0"]
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("device,ranks,gpus,backend", [
+    ("cpu", 4, 0, "gloo"), ("cuda", 2, 2, "nccl"), ("cuda", 2, 8, "nccl"),
+    ("cuda", 2, 1, "gloo"),   # two ranks on one GPU: NCCL refuses it, gloo stages through host memory
+])
+def test_dep_backend_per_device(device, ranks, gpus, backend):
+    from dwdp.serve.dep_worker import dep_backend
+
+    assert dep_backend(device, ranks, gpus) == backend
+
+
+@pytest.mark.timeout(10)
+def test_dep_backend_on_cuda_without_a_gpu_says_so():
+    from dwdp.serve.dep_worker import dep_backend
+
+    with pytest.raises(ValueError, match="no CUDA device"):
+        dep_backend("cuda", 2, 0)
+
+
+@pytest.mark.timeout(10)
+def test_peers_are_named_with_their_state():
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from dwdp.serve.dep_worker import describe_peers, process_state
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert process_state(child.pid) == "alive"
+        assert "every peer is alive" in describe_peers(0, [0, child.pid])
+        child.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while process_state(child.pid) != "stopped":
+            assert time.monotonic() < deadline, process_state(child.pid)
+        assert describe_peers(0, [0, child.pid]) == f"rank 1 (pid {child.pid}) stopped"
+        child.kill()
+        deadline = time.monotonic() + 5
+        while process_state(child.pid) != "exited":  # a zombie until reaped: exited already
+            assert time.monotonic() < deadline, process_state(child.pid)
+        assert describe_peers(1, [child.pid, 0]) == f"rank 0 (pid {child.pid}) exited"
+    finally:
+        child.kill()
+        child.wait()
+    assert process_state(child.pid) == "exited"

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRESETS = ("tiny", "small")
+MODES = ("dwdp", "dep")
+BATCH_ORDERS = ("fifo", "shortest")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -46,6 +48,14 @@ class ServeConfig:
         workers may share a GPU).
     dtype: the model's dtype, "fp32" / "bf16" / "fp16" (None: bf16 on CUDA, fp32 on CPU).
     drain_timeout_s: longest graceful shutdown waits for requests in flight.
+    mode: "dwdp" (every rank an independent DWDP worker) or "dep" (the expert-parallel baseline:
+        ranks step together, each step one forward per rank or an idle step, dwdp.serve.dep_worker).
+    step_timeout_s: DEP only: longest a rank waits for its peers at one collective of a step before
+        it fails the step, naming the peers it waited for.
+    batch_order: which queued prompts a forward takes (dwdp.serve.scheduling): "shortest" (shortest
+        first, but never past a prompt older than `fairness_s`; the default: it won `dwdp bench serve`)
+        or "fifo" (arrival order).
+    fairness_s: "shortest" only: a prompt queued this long goes first, whatever its length.
     """
 
     ranks: int = 2
@@ -69,6 +79,10 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     device: str = "cpu"
     dtype: str | None = None
+    mode: str = "dwdp"
+    step_timeout_s: float = 30.0
+    batch_order: str = "shortest"
+    fairness_s: float = 0.5
 
     def __post_init__(self):
         _check_int("ranks", self.ranks, 1)
@@ -98,6 +112,18 @@ class ServeConfig:
 
         check_device(self.device)
         model_dtype(self.device, self.dtype)  # validates dtype
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not one of {MODES}")
+        if self.mode == "dep" and self.expert_replicas != 1:
+            raise ValueError(f"expert_replicas={self.expert_replicas}: DEP keeps one disjoint share of the experts "
+                             "per rank (a lost rank stops the group); replicas are a DWDP option")
+        if self.mode == "dep" and self.fault_injection:
+            raise ValueError("fault_injection makes a DWDP rank's expert memory unreadable to its peers; DEP mode "
+                             "has no such memory (kill a worker instead)")
+        _check_seconds("step_timeout_s", self.step_timeout_s)
+        if self.batch_order not in BATCH_ORDERS:
+            raise ValueError(f"batch_order={self.batch_order!r} is not one of {BATCH_ORDERS}")
+        _check_seconds("fairness_s", self.fairness_s)
 
     @property
     def health_interval_s(self) -> float:

@@ -46,7 +46,8 @@ class _PoolCollector:
             "served": ("dwdp_serve_requests", "requests a worker answered", "served_requests"),
             "tokens": ("dwdp_serve_prompt_tokens", "prompt tokens a worker prefilled", "served_tokens"),
             "forwards": ("dwdp_serve_forwards", "batched forwards a worker ran", "forwards"),
-            "wait": ("dwdp_serve_prefetch_wait_seconds", "exposed expert-prefetch wait of a worker's forwards",
+            "wait": ("dwdp_serve_prefetch_wait_seconds", "exposed expert-prefetch wait of a worker's forwards "
+                     "(dep mode: time inside its all-to-alls, waiting for the slowest rank included)",
                      "prefetch_wait_s"),
             "replans": ("dwdp_serve_replans", "copy plans a worker rebuilt around lost peers", "replans"),
             "retried_slices": ("dwdp_serve_retried_slices", "copy slices a worker copied again from another owner",
@@ -71,6 +72,10 @@ class _PoolCollector:
                 device.add_metric([str(worker["rank"]), worker["device"], worker["backend"], worker["experts_kernel"]],
                                   1.0)
         yield device
+        mode = GaugeMetricFamily("dwdp_serve_mode", "1 for the mode the workers run (dwdp: independent ranks; "
+                                 "dep: expert parallel, ranks in lockstep)", labels=["mode"])
+        mode.add_metric([snap["mode"]], 1.0)
+        yield mode
         yield GaugeMetricFamily("dwdp_serve_tokens_per_second", "prompt tokens prefilled per second, all workers, "
                                 "averaged over the last 10 s", value=snap["tokens_per_s"])
         yield GaugeMetricFamily("dwdp_serve_in_flight_requests", "admitted requests not answered yet",

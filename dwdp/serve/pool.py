@@ -110,16 +110,19 @@ class WorkerPool:
             if line:
                 log.info("%s", line)
         port = free_port()
+        target = worker_main
+        if self.config.mode == "dep":
+            from .dep_worker import dep_worker_main as target
         for rank in range(self.config.ranks):
             requests = self._ctx.Queue()
             process = self._ctx.Process(
-                target=worker_main, name=f"dwdp-serve-rank{rank}", daemon=False,
+                target=target, name=f"dwdp-serve-{self.config.mode}-rank{rank}", daemon=False,
                 args=(rank, self.config.ranks, port, self.config, self.kv_dir, requests, self._results))
             self._ranks.append(_Rank(rank, process, requests))
         for r in self._ranks:
             r.process.start()
-        for target in (self._read_results, self._watch_processes):
-            thread = threading.Thread(target=target, name=f"dwdp-router-{target.__name__}", daemon=True)
+        for loop in (self._read_results, self._watch_processes):
+            thread = threading.Thread(target=loop, name=f"dwdp-router-{loop.__name__}", daemon=True)
             thread.start()
             self._threads.append(thread)
 
@@ -285,7 +288,9 @@ class WorkerPool:
                 req, outcome = self._hand_on_locked(msg)
             elif isinstance(msg, PrefillError):
                 req = self._finish_locked(msg.request_id)
-                outcome = ServeError(500, msg.error_type, msg.message)
+                unavailable = msg.error_type == "dep_group_broken"  # the server, not the prompt: try later
+                outcome = ServeError(503 if unavailable else 500, msg.error_type, msg.message,
+                                     retry_after=RETRY_AFTER_S if unavailable else None)
         if req is not None:
             self._resolve(req, outcome)
 
@@ -396,6 +401,6 @@ class WorkerPool:
                 status = "unavailable"
             else:
                 status = "ok" if routable == len(workers) else "degraded"
-            return {"status": status, "workers": workers, "in_flight": len(self._requests),
+            return {"status": status, "mode": self.config.mode, "workers": workers, "in_flight": len(self._requests),
                     "retried": self.num_retried, "failed": self.num_failed,
                     "tokens_per_s": sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S}

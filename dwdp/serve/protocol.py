@@ -46,7 +46,7 @@ class BatchDone:
     num_requests: int
     padded_tokens: int          # batch size x longest prompt
     prefill_s: float
-    prefetch_wait_s: float      # exposed expert-prefetch wait of this forward
+    prefetch_wait_s: float      # exposed expert-prefetch wait of this forward (DEP: time inside its all-to-alls)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class PrefillResult:
     kv_write_s: float           # extracting and writing its KV artifact
     batch_size: int             # requests in that forward
     batch_tokens: int           # padded tokens in that forward (batch size x longest prompt)
-    prefetch_wait_s: float      # exposed expert-prefetch wait of that forward
+    prefetch_wait_s: float      # exposed expert-prefetch wait of that forward (DEP: time inside its all-to-alls)
     kv: dict                    # the KV artifact descriptor (dwdp.serve.kv.write_kv_artifact)
 
 

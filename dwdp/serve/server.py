@@ -65,7 +65,8 @@ def run_server(config: ServeConfig) -> int:
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=int(config.drain_timeout_s)))
-        print(f"dwdp serve: {config.ranks} workers ({config.model_name}, max_num_tokens {config.max_num_tokens}) "
+        print(f"dwdp serve: {config.ranks} {config.mode} workers ({config.model_name}, max_num_tokens "
+              f"{config.max_num_tokens}, batch order {config.batch_order}) "
               f"listening on http://{host}:{port}; KV artifacts in {kv_dir}", flush=True)
         # uvicorn ends its loop gracefully on both signals, then re-raises them to these handlers;
         # they must return so the pool below drains and stops the workers.

@@ -31,6 +31,7 @@ from .config import ServeConfig
 from .kv import request_cache, write_kv_artifact
 from .protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
                        WorkerHealth, WorkerReady)
+from .scheduling import take_forward
 
 log = logging.getLogger("dwdp")
 
@@ -145,11 +146,19 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         return
     prefill_s = time.monotonic() - started
     wait_s = model.stats.wait_s - wait_before
-    results.put(BatchDone(rank, len(batch), int(ids.numel()), prefill_s, wait_s))
+    answer_forward(out.past_key_values, first, batch, pads, int(ids.numel()), rank, kv_dir, model_name, results,
+                   started, prefill_s, wait_s)
+
+
+def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[int], batch_tokens: int, rank: int,
+                   kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float) -> None:
+    """After a forward over `batch` that started at `started`: BatchDone, then one PrefillResult
+    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [B] first tokens."""
+    results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s))
     for row, job in enumerate(batch):
         t0 = time.monotonic()
         try:
-            layers = request_cache(out.past_key_values, row, pads[row])
+            layers = request_cache(cache, row, pads[row])
             kv = write_kv_artifact(kv_dir, job.request_id, layers,
                                    {"rank": rank, "model": model_name, "first_token_id": first[row]})
         except Exception as exc:
@@ -158,7 +167,7 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         results.put(PrefillResult(
             request_id=job.request_id, rank=rank, first_token_id=int(first[row]), prompt_tokens=len(job.input_ids),
             queue_s=started - job.enqueued, prefill_s=prefill_s, kv_write_s=time.monotonic() - t0,
-            batch_size=len(batch), batch_tokens=int(ids.numel()), prefetch_wait_s=wait_s, kv=kv,
+            batch_size=len(batch), batch_tokens=batch_tokens, prefetch_wait_s=wait_s, kv=kv,
         ))
 
 
@@ -190,7 +199,9 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
             elif not _control(model, rank, job, results):
                 pending.append(job)
         if pending:
-            run_batch(model, take_batch(pending, config.max_num_tokens), rank, kv_dir, config.model_name, results)
+            batch = take_forward(pending, config.max_num_tokens, config.batch_order, config.fairness_s,
+                                 time.monotonic())
+            run_batch(model, batch, rank, kv_dir, config.model_name, results)
 
 
 def _control(model, rank: int, message, results) -> bool:

@@ -1,0 +1,17 @@
+"""DWDP serving against DEP serving under the same open-loop load: a thin entry point for
+`dwdp bench serve`.
+
+    PYTHONPATH=. python bench/serve_compare.py                          # the README's sweep
+    PYTHONPATH=. python bench/serve_compare.py --rates 2,4 --duration 5 --isl-cv 0   # a quick look
+
+The logic lives in dwdp/bench_serve.py so the installed package has it too.
+"""
+import argparse
+import sys
+
+from dwdp.bench_serve import add_arguments, run_bench_serve
+
+if __name__ == "__main__":
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = add_arguments(argparse.ArgumentParser(description=__doc__, formatter_class=formatter))
+    sys.exit(run_bench_serve(parser.parse_args()))

@@ -1,0 +1,61 @@
+"""The serving queueing simulation on plans small enough to work out by hand."""
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from dwdp.serve_sim import (Service, fitted_service, simulate_dep_serving, simulate_dwdp_serving, summarise_ttft,
+                            take_lengths)
+
+
+def flat(forward_s: float = 1.0, per_token_s: float = 0.0) -> Service:
+    padded = lambda lengths: len(lengths) * max(lengths) if lengths else 0  # noqa: E731
+    return Service(lambda lengths: forward_s + per_token_s * padded(lengths),
+                   lambda per_rank: forward_s + per_token_s * max(padded(x) for x in per_rank), {"dwdp": 0.5},
+                   "test")
+
+
+@pytest.mark.timeout(10)
+def test_spaced_arrivals_wait_for_nothing():
+    plan = [(0.0, 10), (5.0, 10), (10.0, 10)]
+    for run in (simulate_dwdp_serving, simulate_dep_serving):
+        assert [end - a for a, end in run(plan, 2, 64, flat())] == [1.0, 1.0, 1.0], run.__name__
+
+
+@pytest.mark.timeout(10)
+def test_dep_waits_for_the_step_in_flight_dwdp_does_not():
+    """Two prompts 0.1 s apart land on the two ranks: DWDP's second rank starts at once; DEP's second
+    prompt waits for the running step to end, then steps (its peer idle)."""
+    plan = [(0.0, 10), (0.1, 10)]
+    assert sorted(simulate_dwdp_serving(plan, 2, 64, flat())) == [(0.0, 1.0), (0.1, 1.1)]
+    assert sorted(simulate_dep_serving(plan, 2, 64, flat())) == [(0.0, 1.0), (0.1, 2.0)]
+
+
+@pytest.mark.timeout(10)
+def test_queued_prompts_share_a_forward_within_the_budget():
+    """Four prompts at once on one rank (ranks=1): 3 x 20 fit 64, the fourth runs next."""
+    plan = [(0.0, 20), (0.0, 20), (0.0, 20), (0.0, 20)]
+    ends = sorted(end for _, end in simulate_dwdp_serving(plan, 1, 64, flat()))
+    assert ends == [1.0, 2.0, 2.0, 2.0], ends  # the first alone (it arrived to an idle rank), then three
+    assert [n for _, n in take_lengths(deque([(0, 5), (0, 30), (0, 2)]), 64)] == [5, 30]
+
+
+@pytest.mark.timeout(10)
+def test_summary_adds_the_overhead_and_counts_tokens():
+    plan = [(0.0, 10), (1.0, 30)]
+    row = summarise_ttft(plan, [(0.0, 1.0), (1.0, 2.0)], 0.5, 1.0, 2)
+    assert row["ttft_p50_s"] == pytest.approx(1.5) and row["tokens_per_s_per_rank"] == pytest.approx(40 / 2.5 / 2)
+
+
+@pytest.mark.timeout(10)
+def test_fitted_service_recovers_the_measured_lines():
+    def rows(a, b):
+        samples = [{"ok": True, "batch_tokens": t, "prefill_s": a + b * t, "ttft_s": a + b * t + 0.3, "queue_s": 0.2}
+                   for t in (100, 300, 700)]
+        return {"rows": [{"samples": samples}]}
+
+    service = fitted_service({"mix": {"dwdp": rows(0.01, 1e-3), "dep": rows(0.02, 5e-4)}}, "mix")
+    assert service.forward_s([100, 50]) == pytest.approx(0.01 + 1e-3 * 200)
+    assert service.step_s([[100], [], [300, 10]]) == pytest.approx(0.02 + 5e-4 * 600)
+    assert service.overhead_s["dep"] == pytest.approx(0.1)
