@@ -37,17 +37,18 @@ import torch
 import torch.nn.functional as F
 
 from dwdp.kernels import (
-    GroupedGemmConfig,
+    device_info,
     expert_weight_table,
     grouped_gemm,
     grouped_gemm_reference,
+    launch_config,
     local_first_split,
     moe_experts,
     moe_experts_reference,
     sort_by_expert,
     swiglu_reference,
 )
-from dwdp.kernels.grouped_gemm import default_wave_size
+from dwdp.kernels.grouped_gemm import kernel_problem
 from dwdp.timing import device_tag, load_average_1min, machine, time_fn
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -163,7 +164,6 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
     contig_views = list(contig.unbind(0))
     out = x_sorted.new_empty(x_sorted.shape[0], 2 * shape.inter)  # [M, 2I]
     if use_triton:
-        config = GroupedGemmConfig()
         multi_table, contig_table = expert_weight_table(views), expert_weight_table(contig_views)
 
         def multi():
@@ -176,10 +176,13 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
             grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="first")
             return grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="second")
 
-        wave = default_wave_size(torch.device(device), config)
-        n_tiles = math.ceil(2 * shape.inter / config.block_n)
-        first = local_first_split(offsets, num_local, n_tiles=[n_tiles], block_m=config.block_m, wave_size=wave)
+        info = device_info(torch.device(device))
+        launch = launch_config(kernel_problem(dtype, multi_table, num_rows=x_sorted.shape[0]), info)
+        wave = launch.wave_size(info)
+        n_tiles = math.ceil(2 * shape.inter / launch.tiles.block_n)
+        first = local_first_split(offsets, num_local, n_tiles=[n_tiles], block_m=launch.tiles.block_m, wave_size=wave)
         notes["gemm_local_first"] = {"num_local": num_local, "first_part_experts": first, "wave_size": wave}
+        notes["gemm_launch"] = launch.label
     else:
         def multi():
             return grouped_gemm_reference(x_sorted, offsets, views)

@@ -128,15 +128,16 @@ def choose_experts_kernel(requested: str, device: torch.device, layers: list[Exp
 
 def fp8_dot_blocker(layer: ExpertsLayer) -> str | None:
     """Why fp8 x fp8 dots cannot run this layer (on top of kernel_blocker), or None."""
-    from .kernels import GroupedGemmConfig
+    from .kernels import is_interpreter
+    from .kernels.launch import fp8_block_k
 
     math = layer.spec.math
     if len(math.quantized) != 2:
         return "fp8 dots need fp8 weights with block scales"
-    block_k = GroupedGemmConfig().block_k
     columns = [q.quant.block[1] for q in math.quantized]
-    if any(c % block_k for c in columns):
-        return f"its scale blocks span {columns} columns, not multiples of the kernel's K tile {block_k}"
+    if any(fp8_block_k(c, is_interpreter()) is None for c in columns):
+        return (f"its scale blocks span {columns} columns, which no power-of-two K tile >= "
+                f"{16 if is_interpreter() else 32} divides")
     if math.biases:
         return "fp8 dots take no biases"
     return None

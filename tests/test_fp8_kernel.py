@@ -128,8 +128,8 @@ def test_fp8_weights_need_their_scales():
                                          r"mxfp4"):
         grouped_gemm(x, offsets, weights, weight_scales=scales, quant=BlockQuant("mxfp4", (1, 32)), config=TINY)
     down = [torch.randn(32, 16, generator=gen) for _ in range(2)]                      # [H, I]
-    with pytest.raises(ValueError, match=r"fp8_activations needs the kernel's block_k=16 to divide the scale blocks' "
-                                         r"8 columns \(weight_scales\)"):
+    with pytest.raises(ValueError, match=r"fp8_activations needs scale blocks whose 8 columns a power-of-two K tile "
+                                         r">= 16 divides \(weight_scales\)"):
         grouped_gemm(x, offsets, weights, weight_scales=[s.repeat_interleave(2, 1) for s in scales],
                      quant=BlockQuant("fp8", (16, 8)), fp8_activations=True, config=TINY)
     with pytest.raises(ValueError, match=r"first_scales needs its BlockQuant"):

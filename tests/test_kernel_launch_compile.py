@@ -16,8 +16,12 @@ import torch
 # Modules, not the same-named functions `dwdp.kernels` exports.
 gg = importlib.import_module("dwdp.kernels.grouped_gemm")
 moe = importlib.import_module("dwdp.kernels.moe")
+launch_mod = importlib.import_module("dwdp.kernels.launch")
 
 H100_SMS = 132
+# What torch reports on the H100 the shipped configuration file was measured on (232,448 bytes of shared
+# memory per block, as Triton's OutOfResources errors there said).
+H100 = launch_mod.DeviceInfo("NVIDIA H100 80GB HBM3", (9, 0), 232448, H100_SMS)
 _COMPILE = r"""
 import json, re, sys
 import triton
@@ -59,15 +63,16 @@ class _Recorder:
         from triton.backends.nvidia.compiler import CUDABackend
 
         self.launches = []
-        self._specialize = lambda arg: native_specialize_impl(CUDABackend, arg, False, True, True)
+        self._specialize = lambda arg, specialize: native_specialize_impl(CUDABackend, arg, False, specialize, True)
 
     def __getitem__(self, grid):
         def launch(*args, num_warps, num_stages, **constexprs):
             names = gg._grouped_gemm_kernel_names
             spec = {}
             for name, arg in zip(names, args):
-                kind, key = self._specialize(arg)
-                spec[name] = (kind, key if kind == "constexpr" else None, key if kind != "constexpr" else "")
+                kind, key = self._specialize(arg, name not in gg.RUNTIME_ARGS)
+                value = key if kind == "constexpr" else arg if isinstance(arg, (int, float)) else None
+                spec[name] = (kind, value, key if kind != "constexpr" else "")
             for name, value in constexprs.items():
                 spec[name] = ("constexpr", value, "")
             self.launches.append({"args": spec, "options": {"num_warps": num_warps, "num_stages": num_stages}})
@@ -81,8 +86,11 @@ def recorder(monkeypatch):
     names = list(gg._grouped_gemm_kernel.arg_names)
     monkeypatch.setattr(gg, "_grouped_gemm_kernel_names", names, raising=False)
     monkeypatch.setattr(gg, "_grouped_gemm_kernel", rec)
-    # What a CUDA device gives: no interpreter (bf16 tensor-core dots), no CPU-only device refusal.
+    # What a CUDA device gives: no interpreter (bf16 tensor-core dots), no CPU-only device refusal, the
+    # H100's name (its configuration file) and compute capability.
     monkeypatch.setattr(gg, "is_interpreter", lambda: False)
+    monkeypatch.setattr(launch_mod, "device_info", lambda device: H100)
+    monkeypatch.setattr(moe, "device_info", lambda device: H100)
     monkeypatch.setattr(moe, "_check_device", lambda device, name: None)
     monkeypatch.setattr(gg, "_check_device", lambda device, name: None)
     return rec
@@ -142,7 +150,7 @@ def test_cuda_experts_path_launches_compile_with_wgmma_and_16_byte_loads(recorde
     assert reads.count == 2, f"{reads.count} device-to-host scalar reads in moe_experts"
     # Local-first: both GEMMs' first parts, the wait for the copies, both GEMMs' second parts.
     assert len(recorder.launches) == 4 and waited == [2], (len(recorder.launches), waited)
-    parts = [launch["args"]["PART"][1] for launch in recorder.launches]
+    parts = [launch["args"]["part"][1] for launch in recorder.launches]
     assert parts == [1, 1, 2, 2], parts
     first = recorder.launches[0]["args"]
     assert first["a_ptr"][0] == "*bf16" and first["FP32_DOT"][1] is False and first["GATED"][1] is True
@@ -226,3 +234,27 @@ def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder
     for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
         assert c["wgmma_fp8"] > 0 and c["async_16"] > 0, f"{name}: fp8 wgmma / loads in sm_90 PTX: {c}"
         assert c["scalar_8"] == 0, f"{name}: byte loads in sm_90 PTX: {c}"
+
+
+def _specialization(launch: dict) -> tuple:
+    """What Triton compiles a launch for: each argument's type and specialisation key, constexprs and options."""
+    args = tuple((name, kind, value if kind == "constexpr" else None, key)
+                 for name, (kind, value, key) in launch["args"].items())
+    return args + tuple(sorted(launch["options"].items()))
+
+
+def test_specialization_does_not_depend_on_routing_or_arrival(recorder):
+    """The compiled variants of a layer are the same whatever the routing (group sizes, experts with no
+    rows), the local-first split and the part: only the layer's shapes and its tiles key them."""
+    x, gate_up, down, index, weights = _inputs(tokens=64, hidden=256, inter=128, experts=8, top_k=2)
+    skewed = torch.zeros_like(index)
+    skewed[:, 1] = 1  # every token on experts 0 and 1: six experts without rows
+    views = (list(gate_up.unbind(0)), list(down.unbind(0)))
+    moe.moe_experts(x, index, weights, *views, wave_size=H100_SMS)
+    moe.moe_experts(x, skewed, weights, *views, wave_size=H100_SMS)
+    moe.moe_experts(x, index, weights, *views, split_at=3, on_local_done=lambda: None, wave_size=H100_SMS)
+    moe.moe_experts(x, skewed, weights, *views, split_at=5, on_local_done=lambda: None, wave_size=7)
+    assert len(recorder.launches) == 12, len(recorder.launches)
+    gate_up_keys = {_specialization(launch) for launch in recorder.launches[0::2]}
+    down_keys = {_specialization(launch) for launch in recorder.launches[1::2]}
+    assert len(gate_up_keys) == 1 and len(down_keys) == 1, (len(gate_up_keys), len(down_keys))
