@@ -25,8 +25,14 @@ ceil(P / W) for the P1 tiles of the prefix and P tiles in all, for this GEMM and
 expert. `local_first_split` is the host mirror of that choice. The part, the split and the waves
 are runtime arguments: a launch compiles the same whichever part it runs.
 
-Tiles, warps, stages and the load path come from kernels/launch.py (`launch_config`), the one
-place that configures a launch.
+Load paths: on Hopper (sm_90+) each program builds, from the pointer table, one TMA descriptor per
+expert it works on (not per tile) and streams that expert's weight tiles through it, zero-filled
+past N and K; A goes through one descriptor too unless its rows are gathered (MoE gate_up). The
+descriptors live in global scratch that Triton asks an allocator for at launch
+(`ensure_tma_allocator`). Elsewhere, and for layouts TMA cannot read (interleaved gate/up rows,
+rows that are not 16-byte multiples), tiles are masked pointer loads (cp.async on GPUs). Tiles,
+warps, stages and the load path come from kernels/launch.py (`launch_config`), the one place that
+configures a launch.
 
 Interpreter: Triton's interpreter computes bf16/fp16 `tl.dot` wrongly, so under TRITON_INTERPRET
 the tiles are upcast to fp32 before the dot (FP32_DOT). On GPU bf16/fp16 tiles go to the tensor
@@ -65,7 +71,7 @@ _ALIGN_BYTES = 16
 _PARTS = {"all": 0, "first": 1, "second": 2}
 # Kernel arguments that change from call to call (local-first split, part, waves): not specialised by
 # Triton, so they never compile a new variant.
-RUNTIME_ARGS = ("split_at", "part", "wave_size", "n_tiles_partner", "block_m_partner", "wave_partner")
+RUNTIME_ARGS = ("split_at", "part", "wave_size", "n_tiles_partner", "block_m_partner", "wave_partner", "num_a_rows")
 
 
 @dataclass(frozen=True)
@@ -233,6 +239,16 @@ if triton is not None:
         return first_m + (local % width) % size_m, (local % width) // size_m
 
     @triton.jit
+    def _descriptor_tile(desc, n0, k0, W_TRANSPOSED: tl.constexpr):
+        """[BLOCK_K, BLOCK_N] weight tile at weight row n0, column k0 from an expert's descriptor (over [N, K],
+        or over [K, N] for transposed storage)."""
+        if W_TRANSPOSED:
+            tile = desc.load([k0, n0])
+        else:
+            tile = desc.load([n0, k0]).T
+        return tile
+
+    @triton.jit
     def _waves_fit(m_tiles_begin, total_m, n_tiles, wave):
         """[BLOCK_E] whether splitting before each expert costs no extra wave: two partial waves cost one
         more unless together they overflow a single wave anyway."""
@@ -273,6 +289,7 @@ if triton is not None:
         a_scale_ptr,  # [rows of A, ceil(K / act_group)] fp32 scales of fp8 activations, read when A_FP8
         stride_asm,  # row stride of a_scale
         act_group,  # columns of A per activation scale (a multiple of BLOCK_K)
+        num_a_rows,  # rows of A (the bound of its TMA descriptor)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -292,6 +309,9 @@ if triton is not None:
         W_SCALED: tl.constexpr,  # fp8 weights, dequantized with their block scales tile by tile in the K loop
         SCALE_E8M0: tl.constexpr,  # scales are e8m0 exponent bytes (2^(s - 127)), else fp32
         A_FP8: tl.constexpr,  # with W_SCALED: A is fp8 with row scales; fp8 x fp8 dots, both scales applied per K tile
+        W_TMA: tl.constexpr,  # weights through one TMA descriptor per expert, built on the device from the table
+        A_TMA: tl.constexpr,  # A through one TMA descriptor (rows not gathered)
+        W_TRANSPOSED: tl.constexpr,  # weights stored [K, N] (stride_wn == 1): descriptor over [K, N]
     ):
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -322,6 +342,14 @@ if triton is not None:
         begin = tl.where(part == 2, first_end, 0)
         end = tl.where(part == 1, first_end, total)
 
+        if A_TMA:
+            a_desc = tl.make_tensor_descriptor(a_ptr, shape=[num_a_rows, K], strides=[stride_am, 1],
+                                               block_shape=[BLOCK_M, BLOCK_K])
+        if GATED:
+            n_w = 2 * N_OUT
+        else:
+            n_w = N_OUT
+
         tile = begin + pid
         while tile < end:
             # This program's next tile opens an expert: its rows, tiles and base addresses, read once for
@@ -342,6 +370,13 @@ if triton is not None:
                     s_base = tl.load(scale_table_ptr + expert).to(tl.pointer_type(tl.float32))
             else:
                 w_base = tl.multiple_of(tl.load(w_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)), 16)
+            if W_TMA:  # one descriptor per expert and program, zero-filled past N and K
+                if W_TRANSPOSED:
+                    w_desc = tl.make_tensor_descriptor(w_base, shape=[K, n_w], strides=[stride_wk, 1],
+                                                       block_shape=[BLOCK_K, BLOCK_N])
+                else:
+                    w_desc = tl.make_tensor_descriptor(w_base, shape=[n_w, K], strides=[stride_wn, 1],
+                                                       block_shape=[BLOCK_N, BLOCK_K])
             if HAS_BIAS:
                 b_base = tl.multiple_of(tl.load(bias_table_ptr + expert).to(tl.pointer_type(a_ptr.dtype.element_ty)),
                                         16)
@@ -378,10 +413,17 @@ if triton is not None:
                 if GATED:
                     up_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
                     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                n0 = n_tile * BLOCK_N
                 for k0 in range(0, K, BLOCK_K):
                     k_mask = ks < K - k0
-                    a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-                    w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                    if A_TMA:  # rows past the expert belong to the next one (or are zero-filled): never stored
+                        a = a_desc.load([lo + m_tile * BLOCK_M, k0])
+                    else:
+                        a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+                    if W_TMA:
+                        w = _descriptor_tile(w_desc, n0, k0, W_TRANSPOSED)
+                    else:
+                        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                     if A_FP8:
                         # One activation scale per row and one weight scale per column for this whole K tile.
                         a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // act_group, mask=row_mask, other=0.0)
@@ -398,7 +440,10 @@ if triton is not None:
                         else:
                             acc = tl.dot(a, w, acc)
                     if GATED:
-                        w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+                        if W_TMA:
+                            w_up = _descriptor_tile(w_desc, N_OUT + n0, k0, W_TRANSPOSED)
+                        else:
+                            w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                         if A_FP8:
                             w_up_s = _column_scales(s_base, s_up_rows, k0 // scale_block_k, stride_sn, stride_sk,
                                                     col_mask, SCALE_E8M0)
@@ -411,9 +456,12 @@ if triton is not None:
                                 acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
                             else:
                                 acc_up = tl.dot(a, w_up, acc_up)
-                        up_ptrs += BLOCK_K * stride_wk
-                    a_ptrs += BLOCK_K * stride_ak
-                    w_ptrs += BLOCK_K * stride_wk
+                        if not W_TMA:
+                            up_ptrs += BLOCK_K * stride_wk
+                    if not A_TMA:
+                        a_ptrs += BLOCK_K * stride_ak
+                    if not W_TMA:
+                        w_ptrs += BLOCK_K * stride_wk
 
                 if HAS_BIAS:
                     acc += tl.load(b_base + w_rows, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -511,6 +559,25 @@ def _check_split(split_at: int | None, part: str, num_experts: int, wave_size: i
     return split_at
 
 
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch Triton asks for at launch: where the device-built TMA descriptors live (128 bytes
+    each per program), from torch's caching allocator on the current device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_tma_allocator() -> None:
+    """Give Triton a scratch allocator for device-side tensor descriptors, unless one is set in this
+    context (Triton keeps it in a context variable: each thread that launches needs its own)."""
+    try:
+        from triton.runtime import _allocation
+
+        is_set = not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+    except (ImportError, AttributeError):  # another Triton layout: set ours every time
+        is_set = False
+    if not is_set:
+        triton.set_allocator(_tma_scratch)
+
+
 def kernel_problem(
     a_dtype: torch.dtype,
     table: ExpertWeightTable,
@@ -567,6 +634,10 @@ def _launch(
     max_tiles = (_tile_count(num_rows, tiles.block_m) + table.num_experts) * n_tiles
     grid = (max(1, min(wave_size, max_tiles)),)
     partner = partner or (n_tiles, tiles.block_m, wave_size)
+    if launch.a_tma and (a.stride(1) != 1 or a.stride(0) != a.shape[1]):
+        raise ValueError(f"the TMA path reads A as a contiguous [rows, K] tensor, got strides {a.stride()}")
+    if launch.w_tma and not is_interpreter():
+        ensure_tma_allocator()
     dummy = expert_offsets  # never read when the matching flag is off
     ep = epilogue or Epilogue(activation="none", gated=False)
     scale_strides = scales.table.strides if scales is not None else (0, 0)
@@ -585,6 +656,7 @@ def _launch(
         scales.half_rows if scales is not None else 1, scales.half_scale_rows if scales is not None else 1,
         block[0], block[1], scale_strides[0], scale_strides[1],
         a_scales if a_scales is not None else dummy, a_scales.stride(0) if a_scales is not None else 0, act_group,
+        a.shape[0],
         **dict(launch.constexprs),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )

@@ -305,6 +305,8 @@ def tma_blocker(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemmCo
     inner = (tiles.block_n if problem.transposed else tiles.block_k) * _ELEMENT_BYTES[problem.w_dtype]
     if inner < 16:
         return f"a weight tile row of {inner} bytes is under TMA's 16"
+    if problem.transposed and problem.gated and problem.n_out * _ELEMENT_BYTES[problem.w_dtype] % 16:
+        return f"the up half starts {problem.n_out} columns in, not a 16-byte offset"
     return None
 
 
@@ -352,7 +354,9 @@ class LaunchConfig:
 def launch_config(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemmConfig | None = None) -> LaunchConfig:
     """The full configuration of one launch: tiles (see `choose_tiles`), load path and constexprs."""
     chosen, source = choose_tiles(problem, device, tiles)
-    blocker = "the kernel has no TMA path yet"
+    blocker = tma_blocker(problem, device, chosen)
+    if chosen.tma is False:
+        blocker = "the tiles ask for tma=False"
     w_tma = blocker is None
     a_tma = w_tma and a_tma_blocker(problem, chosen) is None
     ep = problem.epilogue or Epilogue(activation="none", gated=False)
@@ -367,6 +371,7 @@ def launch_config(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemm
         ("ACTIVATION", ACTIVATIONS[ep.activation]), ("CLAMP", ep.limit != float("inf")),
         ("FP32_DOT", device.is_interpreter or problem.a_dtype == torch.float32),
         ("W_SCALED", problem.scale_format is not None), ("SCALE_E8M0", problem.scale_format == "e8m0"),
-        ("A_FP8", problem.a_dtype == FP8),
+        ("A_FP8", problem.a_dtype == FP8), ("W_TMA", w_tma), ("A_TMA", a_tma),
+        ("W_TRANSPOSED", w_tma and problem.transposed),
     )
     return LaunchConfig(chosen, source, w_tma, a_tma, blocker, constexprs)
