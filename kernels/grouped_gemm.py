@@ -71,7 +71,8 @@ _ALIGN_BYTES = 16
 _PARTS = {"all": 0, "first": 1, "second": 2}
 # Kernel arguments that change from call to call (local-first split, part, waves): not specialised by
 # Triton, so they never compile a new variant.
-RUNTIME_ARGS = ("split_at", "part", "wave_size", "n_tiles_partner", "block_m_partner", "wave_partner", "num_a_rows")
+RUNTIME_ARGS = ("split_at", "part", "wave_size", "n_tiles_partner", "block_m_partner", "wave_partner", "num_a_rows",
+                "stride_ask", "stride_osk")
 
 
 @dataclass(frozen=True)
@@ -220,6 +221,44 @@ if triton is not None:
         return tl.load(s_ptrs, mask=mask, other=0.0)
 
     @triton.jit
+    def _tile_scale(s_base, s_row, k_block, stride_sn, stride_sk, SCALE_E8M0: tl.constexpr):
+        """The fp32 block scale at scale row s_row, column k_block (one for a whole weight tile)."""
+        s = tl.load(s_base + s_row.to(tl.int64) * stride_sn + k_block * stride_sk)
+        if SCALE_E8M0:
+            s = tl.exp2(s.to(tl.float32) - 127.0)
+        return s
+
+    @triton.jit
+    def _round_e4m3(x):
+        """fp32 x (|x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, in fp32 arithmetic:
+        the interpreter's own fp32 -> fp8 conversion loses the carry into the exponent (127.5 -> 64)."""
+        exponent = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        exponent = tl.maximum(exponent, -6)  # subnormals share the smallest normal exponent's spacing
+        quantum = ((exponent - 3 + 127) << 23).to(tl.float32, bitcast=True)  # spacing of 3 mantissa bits
+        steps = x / quantum
+        return ((steps + 12582912.0) - 12582912.0) * quantum  # 1.5 * 2^23: round half to even
+
+    @triton.jit
+    def _quantize_groups(acc, col_mask, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                         ROUND: tl.constexpr, INTERPRETED: tl.constexpr):
+        """acc [BLOCK_M, BLOCK_N] fp32 -> (values divided by their group's scale, clamped to fp8's range,
+        [BLOCK_M, BLOCK_N]; scales [BLOCK_M, BLOCK_N / GROUP]): one scale max|x| / 448 (1 for an all-zero
+        group) per row and GROUP columns, as quantize_rows_fp8 computes it on the rounded values."""
+        acc = tl.where(col_mask[None, :], acc, 0.0)  # columns past N_OUT never count towards a scale
+        if ROUND == 1:
+            acc = acc.to(tl.bfloat16).to(tl.float32)
+        elif ROUND == 2:
+            acc = acc.to(tl.float16).to(tl.float32)
+        grouped = tl.reshape(acc, (BLOCK_M, BLOCK_N // GROUP, GROUP))
+        amax = tl.max(tl.abs(grouped), axis=2)  # [BLOCK_M, BLOCK_N / GROUP]
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+        q = tl.reshape(grouped / scale[:, :, None], (BLOCK_M, BLOCK_N))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        if INTERPRETED:
+            q = _round_e4m3(q)
+        return q, scale
+
+    @triton.jit
     def _fp8_dot(a, w, FP32_DOT: tl.constexpr):
         """a [BLOCK_M, BLOCK_K] fp8 @ w [BLOCK_K, BLOCK_N] fp8 -> fp32 (fp8 tensor cores on sm_89+; exact
         fp32 products in the interpreter)."""
@@ -287,9 +326,11 @@ if triton is not None:
         scale_block_n, scale_block_k,  # weights per scale: bn rows x bk columns
         stride_sn, stride_sk,  # strides of every expert's scale view
         a_scale_ptr,  # [rows of A, ceil(K / act_group)] fp32 scales of fp8 activations, read when A_FP8
-        stride_asm,  # row stride of a_scale
+        stride_asm, stride_ask,  # its strides (row, K block): (1, rows) for the groups-first layout
         act_group,  # columns of A per activation scale (a multiple of BLOCK_K)
         num_a_rows,  # rows of A (the bound of its TMA descriptor)
+        out_scale_ptr,  # [rows of out, ceil(N_OUT / QUANT_GROUP)] fp32 scales of an fp8 output, written when QUANT_GROUP
+        stride_osm, stride_osk,  # its strides (row, column group)
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
@@ -312,6 +353,9 @@ if triton is not None:
         W_TMA: tl.constexpr,  # weights through one TMA descriptor per expert, built on the device from the table
         A_TMA: tl.constexpr,  # A through one TMA descriptor (rows not gathered)
         W_TRANSPOSED: tl.constexpr,  # weights stored [K, N] (stride_wn == 1): descriptor over [K, N]
+        W_SCALE_TILE: tl.constexpr,  # every weight tile sits in one scale block: one scale per tile and K step
+        QUANT_GROUP: tl.constexpr,  # > 0: store out as fp8, one scale per row and QUANT_GROUP columns (else 0)
+        QUANT_ROUND: tl.constexpr,  # before quantizing, round to 0 fp32 (none), 1 bf16, 2 fp16 (h's dtype)
     ):
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -406,6 +450,11 @@ if triton is not None:
                     # Scale row of each weight row: its half, then its block within the half.
                     s_rows = (w_rows // half_rows) * half_scale_rows + (w_rows % half_rows) // scale_block_n
                     s_up_rows = (up_rows // half_rows) * half_scale_rows + (up_rows % half_rows) // scale_block_n
+                    if W_SCALE_TILE:  # the tile's rows share one scale row (gate, and up N_OUT rows further)
+                        n_first = n_tile * BLOCK_N
+                        s_row0 = (n_first // half_rows) * half_scale_rows + (n_first % half_rows) // scale_block_n
+                        up_first = N_OUT + n_first
+                        s_up_row0 = (up_first // half_rows) * half_scale_rows + (up_first % half_rows) // scale_block_n
                 ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
                 a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
                 w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
@@ -425,16 +474,27 @@ if triton is not None:
                     else:
                         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                     if A_FP8:
-                        # One activation scale per row and one weight scale per column for this whole K tile.
-                        a_s = tl.load(a_scale_ptr + a_rows * stride_asm + k0 // act_group, mask=row_mask, other=0.0)
-                        w_s = _column_scales(s_base, s_rows, k0 // scale_block_k, stride_sn, stride_sk, col_mask,
-                                             SCALE_E8M0)
-                        acc += _fp8_dot(a, w, FP32_DOT) * a_s[:, None] * w_s[None, :]
+                        # One activation scale per row and one weight scale per column (or per tile) for this
+                        # whole K tile: the dot of one scale block, promoted to fp32 with both scales.
+                        a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // act_group) * stride_ask, mask=row_mask,
+                                      other=0.0)  # [BLOCK_M]
+                        if W_SCALE_TILE:
+                            w_s = _tile_scale(s_base, s_row0, k0 // scale_block_k, stride_sn, stride_sk, SCALE_E8M0)
+                            acc += _fp8_dot(a, w, FP32_DOT) * (a_s * w_s)[:, None]
+                        else:
+                            w_s = _column_scales(s_base, s_rows, k0 // scale_block_k, stride_sn, stride_sk, col_mask,
+                                                 SCALE_E8M0)
+                            acc += _fp8_dot(a, w, FP32_DOT) * a_s[:, None] * w_s[None, :]
                     else:
                         if W_SCALED:
-                            k_blocks = (k0 + ks) // scale_block_k  # [BLOCK_K] scale column of each k
-                            w = _dequantize_tile(w, s_base, s_rows, k_blocks, stride_sn, stride_sk,
-                                                 k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
+                            if W_SCALE_TILE:
+                                w_s = _tile_scale(s_base, s_row0, k0 // scale_block_k, stride_sn, stride_sk,
+                                                  SCALE_E8M0)
+                                w = (w.to(tl.float32) * w_s).to(a.dtype)
+                            else:
+                                k_blocks = (k0 + ks) // scale_block_k  # [BLOCK_K] scale column of each k
+                                w = _dequantize_tile(w, s_base, s_rows, k_blocks, stride_sn, stride_sk,
+                                                     k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
                         if FP32_DOT:
                             acc = tl.dot(a.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
                         else:
@@ -445,13 +505,23 @@ if triton is not None:
                         else:
                             w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
                         if A_FP8:
-                            w_up_s = _column_scales(s_base, s_up_rows, k0 // scale_block_k, stride_sn, stride_sk,
-                                                    col_mask, SCALE_E8M0)
-                            acc_up += _fp8_dot(a, w_up, FP32_DOT) * a_s[:, None] * w_up_s[None, :]
+                            if W_SCALE_TILE:
+                                w_up_s = _tile_scale(s_base, s_up_row0, k0 // scale_block_k, stride_sn, stride_sk,
+                                                     SCALE_E8M0)
+                                acc_up += _fp8_dot(a, w_up, FP32_DOT) * (a_s * w_up_s)[:, None]
+                            else:
+                                w_up_s = _column_scales(s_base, s_up_rows, k0 // scale_block_k, stride_sn, stride_sk,
+                                                        col_mask, SCALE_E8M0)
+                                acc_up += _fp8_dot(a, w_up, FP32_DOT) * a_s[:, None] * w_up_s[None, :]
                         else:
                             if W_SCALED:
-                                w_up = _dequantize_tile(w_up, s_base, s_up_rows, k_blocks, stride_sn, stride_sk,
-                                                        k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
+                                if W_SCALE_TILE:
+                                    w_up_s = _tile_scale(s_base, s_up_row0, k0 // scale_block_k, stride_sn, stride_sk,
+                                                         SCALE_E8M0)
+                                    w_up = (w_up.to(tl.float32) * w_up_s).to(a.dtype)
+                                else:
+                                    w_up = _dequantize_tile(w_up, s_base, s_up_rows, k_blocks, stride_sn, stride_sk,
+                                                            k_mask[:, None] & col_mask[None, :], SCALE_E8M0).to(a.dtype)
                             if FP32_DOT:
                                 acc_up = tl.dot(a.to(tl.float32), w_up.to(tl.float32), acc_up, input_precision="ieee")
                             else:
@@ -484,6 +554,11 @@ if triton is not None:
                         out_rows = slots
                 else:
                     out_rows = rows.to(tl.int64)
+                if QUANT_GROUP > 0:
+                    acc, q_scale = _quantize_groups(acc, col_mask, BLOCK_M, BLOCK_N, QUANT_GROUP, QUANT_ROUND, FP32_DOT)  # [BM, BN], [BM, BN / G]
+                    groups = n_tile * (BLOCK_N // QUANT_GROUP) + tl.arange(0, BLOCK_N // QUANT_GROUP)
+                    s_ptrs = out_scale_ptr + out_rows[:, None] * stride_osm + groups[None, :] * stride_osk
+                    tl.store(s_ptrs, q_scale, mask=row_mask[:, None] & (groups * QUANT_GROUP < N_OUT)[None, :])
                 out_ptrs = out_ptr + out_rows[:, None] * stride_om + cols[None, :] * stride_on
                 out_mask = row_mask[:, None] & col_mask[None, :]
                 if ATOMIC_OUT:
@@ -590,9 +665,12 @@ def kernel_problem(
     atomic_out: bool = False,
     has_row_scale: bool = False,
     has_bias: bool = False,
+    quant_out_group: int = 0,
+    quant_out_round: torch.dtype = torch.float32,
 ) -> "KernelProblem":
     """The KernelProblem of one launch over `table` (kernels/launch.py): A of `a_dtype` (float8_e4m3fn for
-    fp8 x fp8 dots), `num_rows` sorted rows spread over the table's experts."""
+    fp8 x fp8 dots), `num_rows` sorted rows spread over the table's experts; quant_out_group > 0 asks for
+    an fp8 output with one scale per row and that many columns, rounded to quant_out_round first."""
     from .launch import KernelProblem
 
     n, k = table.shape
@@ -603,6 +681,8 @@ def kernel_problem(
         has_row_scale=has_row_scale, has_bias=has_bias,
         scale_format=None if scales is None else ("e8m0" if scales.is_e8m0 else "fp32"),
         scale_block=None if scales is None else tuple(scales.quant.block),
+        scale_halves=1 if scales is None else scales.quant.halves, quant_out_group=quant_out_group,
+        quant_out_round=quant_out_round,
     )
 
 
@@ -620,8 +700,9 @@ def _launch(
     bias: ExpertWeightTable | None,  # E views [N]
     scales: "ScaleTable | None",  # fp8 weights: E views of block scales (kernels.scaled_weights)
     top_k: int,
-    a_scales: torch.Tensor | None = None,  # [rows of A, ceil(K / act_group)] fp32: `a` is fp8 (fp8 x fp8 dots)
+    a_scales: torch.Tensor | None = None,  # [rows of A, ceil(K / act_group)] fp32 (any strides): `a` is fp8
     act_group: int = 1,
+    out_scales: torch.Tensor | None = None,  # [rows of out, ceil(N_OUT / group)] fp32: out is fp8 (launch.quant_out)
     split_at: int,
     partner: tuple[int, int, int] | None,  # (n_tiles, block_m, wave_size) of a GEMM splitting at the same expert
     part: str,
@@ -634,6 +715,9 @@ def _launch(
     max_tiles = (_tile_count(num_rows, tiles.block_m) + table.num_experts) * n_tiles
     grid = (max(1, min(wave_size, max_tiles)),)
     partner = partner or (n_tiles, tiles.block_m, wave_size)
+    if launch.quant_out != (out_scales is not None) or launch.quant_out != (out.dtype == torch.float8_e4m3fn):
+        raise ValueError(f"an fp8 output needs its scales and a launch that quantizes (quant_out={launch.quant_out}, "
+                         f"out {out.dtype}, out_scales {'given' if out_scales is not None else 'missing'})")
     if launch.a_tma and (a.stride(1) != 1 or a.stride(0) != a.shape[1]):
         raise ValueError(f"the TMA path reads A as a contiguous [rows, K] tensor, got strides {a.stride()}")
     if launch.w_tma and not is_interpreter():
@@ -655,8 +739,9 @@ def _launch(
         float(ep.alpha), float(min(ep.limit, 3.0e38)), float(ep.up_offset),
         scales.half_rows if scales is not None else 1, scales.half_scale_rows if scales is not None else 1,
         block[0], block[1], scale_strides[0], scale_strides[1],
-        a_scales if a_scales is not None else dummy, a_scales.stride(0) if a_scales is not None else 0, act_group,
+        a_scales if a_scales is not None else dummy, *(a_scales.stride() if a_scales is not None else (0, 0)), act_group,
         a.shape[0],
+        out_scales if out_scales is not None else dummy, *(out_scales.stride() if out_scales is not None else (0, 0)),
         **dict(launch.constexprs),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -787,7 +872,7 @@ def grouped_gemm(
     a, a_scales, group = x_sorted, None, 1
     if fp8_activations:
         group = scales.quant.block[1]
-        a, a_scales = quantize_rows_fp8(x_sorted, group)  # [T, K] fp8, [T, K / bk]
+        a, a_scales = quantize_rows_fp8(x_sorted, group, groups_first=True)  # [T, K] fp8, [T, K / bk]
     _launch(
         a, expert_offsets, table, out, launch=launch,
         num_rows=num_rows, slots=None, scale=row_scale, epilogue=epilogue, bias=bias_table, scales=scales, top_k=1,

@@ -47,6 +47,7 @@ from .settings import ACTIVATIONS, Epilogue, GroupedGemmConfig
 
 FP8 = torch.float8_e4m3fn
 _ELEMENT_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, FP8: 1}
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # QUANT_ROUND codes
 _SMEM_SLACK = 1024  # bytes Triton adds beside the pipelined tiles (barriers, scale tiles)
 
 # Built-in defaults per kind (used where no file matches). bf16: 128x256x64 / 8 warps / 4 stages was the
@@ -142,6 +143,9 @@ class KernelProblem:
     has_bias: bool = False
     scale_format: str | None = None  # "fp32" or "e8m0" block scales of fp8 weights
     scale_block: tuple[int, int] | None = None  # (rows, cols) of weights per scale
+    scale_halves: int = 1  # separately blocked halves of the weight rows ([gate; up] blocked apart: 2)
+    quant_out_group: int = 0  # > 0: the output is wanted in fp8, one scale per row and this many columns
+    quant_out_round: torch.dtype = torch.float32  # dtype the output is rounded to before it is quantized
 
     def __post_init__(self) -> None:
         for name in ("a_dtype", "w_dtype"):
@@ -164,6 +168,13 @@ class KernelProblem:
             raise ValueError(f"a gated epilogue needs an even n (gate and up halves), got n={self.n}")
         if self.atomic_out and not self.scatter_out:
             raise ValueError("atomic_out needs scatter_out (atomics add into token rows)")
+        if self.scale_halves not in (1, 2) or self.n % self.scale_halves:
+            raise ValueError(f"scale_halves={self.scale_halves} must be 1 or 2 and divide n={self.n}")
+        if self.quant_out_group < 0 or self.quant_out_round not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"quant_out_group={self.quant_out_group} must be >= 0 and quant_out_round="
+                             f"{self.quant_out_round} one of fp32, bf16, fp16")
+        if self.quant_out_group and (self.atomic_out or self.a_dtype != FP8):
+            raise ValueError("an fp8 output goes with fp8 x fp8 dots and no atomics")
 
     @property
     def gated(self) -> bool:
@@ -322,6 +333,27 @@ def a_tma_blocker(problem: KernelProblem, tiles: GroupedGemmConfig) -> str | Non
     return None
 
 
+def weight_scale_per_tile(problem: KernelProblem, tiles: GroupedGemmConfig) -> bool:
+    """Every weight tile (gate and up alike) lies inside one scale block, so one scale per tile and K step
+    serves it: BLOCK_N divides the block rows and the half it sits in (and the up half's offset), BLOCK_K
+    divides the block columns."""
+    if problem.scale_block is None or (problem.epilogue is not None and problem.epilogue.interleaved):
+        return False
+    rows, cols = problem.scale_block
+    half = problem.n // problem.scale_halves
+    up_ok = not problem.gated or problem.n_out % tiles.block_n == 0
+    return rows % tiles.block_n == 0 and half % tiles.block_n == 0 and up_ok and cols % tiles.block_k == 0
+
+
+def quant_group(problem: KernelProblem, tiles: GroupedGemmConfig) -> int:
+    """Columns per scale of an fp8 output quantized in the epilogue, or 0 where the tile cannot (its columns
+    must be whole groups, and a group a power of two)."""
+    group = problem.quant_out_group
+    if group and group & (group - 1) == 0 and tiles.block_n % group == 0:
+        return group
+    return 0
+
+
 @dataclass(frozen=True)
 class LaunchConfig:
     """Everything one launch of `_grouped_gemm_kernel` is configured with."""
@@ -332,6 +364,11 @@ class LaunchConfig:
     a_tma: bool  # A read through one TMA descriptor
     tma_note: str | None  # why TMA is off, when it is
     constexprs: tuple[tuple[str, object], ...]  # every constexpr of the kernel, in its order
+
+    @property
+    def quant_out(self) -> bool:
+        """The launch stores its output as fp8 with per-row, per-group scales."""
+        return dict(self.constexprs)["QUANT_GROUP"] > 0
 
     @property
     def key(self) -> tuple:
@@ -373,5 +410,7 @@ def launch_config(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemm
         ("W_SCALED", problem.scale_format is not None), ("SCALE_E8M0", problem.scale_format == "e8m0"),
         ("A_FP8", problem.a_dtype == FP8), ("W_TMA", w_tma), ("A_TMA", a_tma),
         ("W_TRANSPOSED", w_tma and problem.transposed),
+        ("W_SCALE_TILE", weight_scale_per_tile(problem, chosen)),
+        ("QUANT_GROUP", quant_group(problem, chosen)), ("QUANT_ROUND", _ROUND[problem.quant_out_round]),
     )
     return LaunchConfig(chosen, source, w_tma, a_tma, blocker, constexprs)

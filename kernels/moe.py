@@ -173,7 +173,11 @@ def moe_experts(
         return hidden.new_zeros(num_tokens, hidden_dim)
     slots, expert_offsets = sort_by_expert(top_k_index, num_experts)  # [S], [E + 1]
     slot_weights = top_k_weights.reshape(-1).contiguous()  # [S], indexed by slot in the kernel
-    h = hidden.new_empty(num_slots, inter)  # [S, I] sorted rows
+    if first_launch.quant_out:  # fp8 dots: gate_up's epilogue writes h as fp8 with its scales (no h round trip)
+        h = torch.empty(num_slots, inter, dtype=torch.float8_e4m3fn, device=hidden.device)  # [S, I] sorted rows
+        h_scales = quantize_scales(num_slots, inter, down_scale_table.quant.block[1], hidden.device)  # [S, I / bk]
+    else:
+        h, h_scales = hidden.new_empty(num_slots, inter), None  # [S, I] sorted rows
     if combine == "sum":
         out = hidden.new_empty(num_slots, hidden_dim)  # [S, H] slot rows
     else:
@@ -184,7 +188,8 @@ def moe_experts(
 
     first_a, first_a_scales = hidden, None
     if fp8_activations:  # tokens quantized once, before any launch (rows gathered with their scales)
-        first_a, first_a_scales = quantize_rows_fp8(hidden, first_scale_table.quant.block[1])  # [T, H], [T, H / bk]
+        first_a, first_a_scales = quantize_rows_fp8(hidden, first_scale_table.quant.block[1],
+                                                    groups_first=True)  # [T, H], [T, H / bk]
     parts = ("all",) if split_at is None else ("first", "second")
     for part in parts:
         if part == "second" and on_local_done is not None:
@@ -193,12 +198,13 @@ def moe_experts(
             first_a, expert_offsets, gate_up_table, h, launch=first_launch,
             num_rows=num_slots, slots=slots, scale=None, epilogue=epilogue, bias=first_bias_table,
             scales=first_scale_table, top_k=top_k, split_at=split, partner=down_partner, part=part,
-            wave_size=first_wave, a_scales=first_a_scales,
+            wave_size=first_wave, a_scales=first_a_scales, out_scales=h_scales,
             act_group=first_scale_table.quant.block[1] if fp8_activations else 1,
         )
-        down_a, down_a_scales = h, None
-        if fp8_activations:  # this part's rows of h are final: quantize h for the down GEMM's fp8 dots
-            down_a, down_a_scales = quantize_rows_fp8(h, down_scale_table.quant.block[1])  # [S, I], [S, I / bk]
+        down_a, down_a_scales = h, h_scales
+        if fp8_activations and h_scales is None:  # this part's rows of h are final: quantize them for the fp8 dots
+            down_a, down_a_scales = quantize_rows_fp8(h, down_scale_table.quant.block[1],
+                                                      groups_first=True)  # [S, I], [S, I / bk]
         _launch(
             down_a, expert_offsets, down_table, out, launch=down_launch,
             num_rows=num_slots, slots=slots, scale=slot_weights, epilogue=None, bias=down_bias_table,
@@ -209,6 +215,12 @@ def moe_experts(
     if combine == "sum":
         return out.view(num_tokens, top_k, hidden_dim).sum(dim=1)  # [T, H]
     return out.to(hidden.dtype)
+
+
+def quantize_scales(rows: int, cols: int, group: int, device: torch.device) -> torch.Tensor:
+    """Room for the scales of fp8 activations [rows, cols], one per row and `group` columns: a [rows, G]
+    view of [G, rows] storage, the layout quantize_rows_fp8(groups_first=True) returns."""
+    return torch.empty(-(-cols // group), rows, dtype=torch.float32, device=device).t()
 
 
 def moe_launch_configs(
@@ -228,10 +240,13 @@ def moe_launch_configs(
     config: GroupedGemmConfig | None = None,
 ) -> tuple[LaunchConfig, LaunchConfig]:
     """The launch configurations of `moe_experts`' two GEMMs (gate_up, down) for `num_slots` = T * k
-    token-expert slots of activations in `dtype` (kernels/launch.py chooses them)."""
+    token-expert slots of activations in `dtype` (kernels/launch.py chooses them). With fp8 activations
+    gate_up asks to store h in fp8 with the scales the down GEMM's dots read (done where its tiles cover
+    whole scale groups: `LaunchConfig.quant_out`)."""
     a_dtype = torch.float8_e4m3fn if fp8_activations else dtype
     first = kernel_problem(a_dtype, gate_up, num_rows=num_slots, epilogue=epilogue or SWIGLU, scales=first_scales,
-                           gather_a=True, has_bias=first_bias)
+                           gather_a=True, has_bias=first_bias,
+                           quant_out_group=down_scales.quant.block[1] if fp8_activations else 0, quant_out_round=dtype)
     second = kernel_problem(a_dtype, down, num_rows=num_slots, scales=down_scales, scatter_out=True,
                             atomic_out=combine == "atomic", has_row_scale=True, has_bias=down_bias)
     return launch_config(first, device, config), launch_config(second, device, config)

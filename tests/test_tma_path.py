@@ -203,3 +203,37 @@ def test_tma_scratch_allocator_is_set_once_per_context_and_never_replaces_a_user
         return _allocation._allocator.get() is mine
 
     assert contextvars.Context().run(users)
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+def test_grouped_tile_order_covers_every_tile_once(tma):
+    """group_m=2: an expert's m-tiles run in groups of two per n-tile, the last group ragged (5 m-tiles)."""
+    from dataclasses import replace
+
+    gen = torch.Generator().manual_seed(19)
+    counts, n, k = [70, 0, 33, 16], 48, 32
+    views = _buffers(gen, [(n, k)] * len(counts), 3, torch.float32, 1 / math.sqrt(k))
+    x = torch.randn(sum(counts), k, generator=gen)
+    offsets = _offsets(counts)
+    out = torch.full((sum(counts), n), float("nan"))
+    got = grouped_gemm(x, offsets, views, out=out, wave_size=3, config=replace(TMA, group_m=2, tma=tma))
+    _check(got, grouped_gemm_reference(x, offsets, views), torch.float32, f"group_m=2 tma={tma}")
+
+
+def test_tma_moe_fp8_dots_with_h_quantized_in_the_epilogue():
+    """fp8 experts through descriptors and fp8 dots, h leaving gate_up in fp8 with its scales, I = 24: the
+    last gate tile's descriptor rows run into the up half, and with an up offset its columns past I must
+    still leave h's last group and its scale alone."""
+    gen = torch.Generator().manual_seed(31)
+    num_tokens, hidden, inter, experts, top_k = 13, 32, 24, 5, 2
+    first_quant, down_quant = BlockQuant("fp8", (16, 16), halves=2), BlockQuant("fp8", (16, 16))
+    gate_up, gate_up_scales = quantize_fp8(torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden ** 0.5,
+                                           first_quant)
+    down, down_scales = quantize_fp8(torch.randn(experts, hidden, inter, generator=gen) / inter ** 0.5, down_quant)
+    hidden_states = torch.randn(num_tokens, hidden, generator=gen)
+    weights, index = torch.topk(torch.randn(num_tokens, experts, generator=gen).softmax(-1), top_k, dim=-1)
+    args = dict(first_scales=list(gate_up_scales), down_scales=list(down_scales), first_quant=first_quant,
+                down_quant=down_quant, fp8_activations=True, epilogue=Epilogue(up_offset=1.0))
+    got = moe_experts(hidden_states, index, weights, list(gate_up), list(down), config=TMA, **args)
+    want = moe_experts_reference(hidden_states, index, weights, list(gate_up), list(down), **args)
+    _check(got, want, torch.float32, "moe_experts fp8 dots, TMA")
