@@ -14,7 +14,8 @@ The compiled specialization of a launch is `LaunchConfig.key` (every constexpr, 
 num_stages) plus what Triton derives from the arguments: the dtypes of the activations, weights and
 output, and the 16-divisibility (or == 1) of the integer shape / stride arguments and of pointers.
 Those are fixed for a layer (N, K, E, top_k, strides); the arguments that change from call to call
-(the local-first split, which part runs, the wave sizes, the rows of A) are declared
+(the local-first split, which part runs, the wave sizes, the rows of A, the strides of
+group-first activation scales, which are the rows too) are declared
 `do_not_specialize`, so neither the routing nor the order in which remote experts arrive compiles
 anything new. The tokens of a call change the key only through the tiles: R = rows / E selects the
 nearest tuned entry, a choice among the few configurations `candidate_tiles` lists for a layer.
@@ -25,8 +26,11 @@ Tile choice, in order:
      problem's kind with the same N and K, the one with the nearest R (log scale);
   3. that file's default for the kind;
   4. the built-in default for the kind (DEFAULT_TILES), stepped down (STEP_DOWN) until it fits the
-     device's shared memory.
-Candidates that would not fit the device's shared memory are skipped at every step.
+     device's shared memory (under the interpreter: INTERPRETER_TILES).
+Candidates that would not fit the device's shared memory are skipped at every step. fp8 x fp8 dots
+take a K tile that divides the scale block's columns; whether one weight scale serves a whole tile
+(W_SCALE_TILE) and whether gate_up's epilogue can write h in fp8 (QUANT_GROUP: its tiles hold whole
+scale groups) follow from the tiles chosen.
 
 Load path: TMA (`tma=None` in the tiles means "where possible") needs Hopper or newer (sm_90), a
 Triton with `tl.make_tensor_descriptor`, weight rows that are 16-byte multiples with the last

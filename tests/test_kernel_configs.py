@@ -210,3 +210,17 @@ def test_tune_kernel_writes_a_file_the_launch_reads(tmp_path):
     kinds = sorted((e.kind, e.n, e.k, e.rows_per_expert) for e in tuned.entries)
     assert kinds == [("bf16", 32, 16, 3), ("bf16_gated", 32, 32, 3)], kinds
     assert all(e.extra["rel_err"] < 1e-2 for e in tuned.entries), tuned.entries
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shape", "64,32,4"], "--shape='64,32,4' must be four integers H,I,E,K"),
+    (["--shape", "64,32,4,2", "--tokens", "8,0"], "tokens=0 must be >= 1"),
+    (["--preset", "NoSuchModel"], "unknown model preset 'NoSuchModel'"),
+    (["--shape", "64,32,4,2"], "no CUDA device here"),
+])
+def test_tune_kernel_command_refuses_bad_input_in_one_line(argv, message):
+    from dwdp.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["tune-kernel", *argv])
+    assert message in str(info.value), str(info.value)
