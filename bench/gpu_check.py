@@ -21,11 +21,15 @@ needed, over a gloo group):
      expert local (one-rank group, no copies), the compute stream's stall in prefetch waits, and
      the host's microseconds per prefetch submit and per layer
   e  the Triton kernel: against the reference (output poisoned first), TFLOP/s against
-     F.grouped_mm and per-expert matmuls, multi-buffer / single-buffer, measured bf16 matmul peak
+     F.grouped_mm and per-expert matmuls, multi-buffer / single-buffer, measured bf16 matmul peak;
+     per shape our TFLOP/s, grouped_mm on the experts merged beforehand, the ratio, the launch
+     configuration used, and TMA against pointer loads with the same tiles
   f  write-after-read stress: many layers through two slots while compute is slowed, each
      'kernel' checksumming its slot on the device
   g  fp8 experts (128 x 128 block scales): the kernel's bf16 dots and fp8 x fp8 dots against their
-     references, TFLOP/s of both next to the same experts in bf16
+     references; per shape TFLOP/s of both next to the same experts in bf16 (ours, and grouped_mm on
+     the experts merged beforehand), the ratios (target: fp8 dots >= 1.6x our bf16) and the launch
+     configurations
   h  `dwdp serve --device cuda`, two workers: time to ready, TTFT p50/p99 and tokens/s under an
      open-loop load through the openai client, worst of the first 50 forwards after ready against
      their median (needs the serve extras: bench/gpu_wheels.sh fetches them for a machine without network)

@@ -7,6 +7,7 @@ Two sections per model:
   gemm: the gate_up GEMM (x [M, H] @ w_e.T, w_e [2I, H]) over weights in B buffers:
     multi-buffer          the kernel reads each expert where it lives (address table)
     contiguous            the same kernel, every expert in one [E, 2I, H] tensor
+    multi-buffer (pointers)  the same tiles on pointer loads, where the launch reads through TMA
     merge + grouped_mm    copy the B buffers into one [E, 2I, H] tensor, then F.grouped_mm
     grouped_mm (no copy)  F.grouped_mm on the contiguous tensor: the merge copy's share
     loop torch.mm         one torch.mm per expert (host offsets, computed outside the timing)
@@ -14,6 +15,7 @@ Two sections per model:
   moe: the whole experts path (sort, gate_up + SwiGLU, down + routing weight, back to tokens):
     fused (sum) / fused (atomic) / fused local-first   dwdp.kernels.moe_experts
     merge + grouped_mm    transformers' grouped_mm path after a merge copy of both weights
+    grouped_mm (merged, no copy)   the same on weights merged beforehand (the copy not timed)
 On CUDA the "kernel" rows run the Triton kernel; on CPU they run the plain-PyTorch reference
 (the Triton kernel only runs on CPU in the interpreter, which says nothing about speed), and
 the CPU shapes are scaled down so the run takes well under a minute.
@@ -30,24 +32,26 @@ import math
 import os
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from dwdp.kernels import (
-    GroupedGemmConfig,
+    device_info,
     expert_weight_table,
     grouped_gemm,
     grouped_gemm_reference,
+    launch_config,
     local_first_split,
     moe_experts,
+    moe_launch_configs,
     moe_experts_reference,
     sort_by_expert,
     swiglu_reference,
 )
-from dwdp.kernels.grouped_gemm import default_wave_size
+from dwdp.kernels.grouped_gemm import kernel_problem
 from dwdp.timing import device_tag, load_average_1min, machine, time_fn
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -111,11 +115,15 @@ def _grouped_mm_supported(device, dtype) -> bool:
         return False
 
 
-def _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views):
-    """transformers' grouped_mm experts path, after merging the split weights (the copy DWDP avoids)."""
+def _moe_grouped_mm_baseline(hidden, index, weights, gate_up_views, down_views, merged=None):
+    """transformers' grouped_mm experts path, after merging the split weights (the copy DWDP avoids), or on
+    `merged` = (gate_up [E, 2I, H], down [E, H, I]) merged beforehand (the copy left out of the timing)."""
     num_tokens, top_k = index.shape
-    gate_up = torch.stack(gate_up_views)  # [E, 2I, H] merge copy
-    down = torch.stack(down_views)  # [E, H, I] merge copy
+    if merged is None:
+        gate_up = torch.stack(gate_up_views)  # [E, 2I, H] merge copy
+        down = torch.stack(down_views)  # [E, H, I] merge copy
+    else:
+        gate_up, down = merged
     slots, offsets = sort_by_expert(index, gate_up.shape[0])  # [S], [E + 1]
     x = hidden[slots // top_k]  # [S, H]
     h = swiglu_reference(_grouped_mm(x, gate_up, offsets))  # [S, I]
@@ -163,7 +171,6 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
     contig_views = list(contig.unbind(0))
     out = x_sorted.new_empty(x_sorted.shape[0], 2 * shape.inter)  # [M, 2I]
     if use_triton:
-        config = GroupedGemmConfig()
         multi_table, contig_table = expert_weight_table(views), expert_weight_table(contig_views)
 
         def multi():
@@ -176,10 +183,13 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
             grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="first")
             return grouped_gemm(x_sorted, offsets, multi_table, out=out, split_at=num_local, part="second")
 
-        wave = default_wave_size(torch.device(device), config)
-        n_tiles = math.ceil(2 * shape.inter / config.block_n)
-        first = local_first_split(offsets, num_local, n_tiles=[n_tiles], block_m=config.block_m, wave_size=wave)
+        info = device_info(torch.device(device))
+        launch = launch_config(kernel_problem(dtype, multi_table, num_rows=x_sorted.shape[0]), info)
+        wave = launch.wave_size(info)
+        n_tiles = math.ceil(2 * shape.inter / launch.tiles.block_n)
+        first = local_first_split(offsets, num_local, n_tiles=[n_tiles], block_m=launch.tiles.block_m, wave_size=wave)
         notes["gemm_local_first"] = {"num_local": num_local, "first_part_experts": first, "wave_size": wave}
+        notes["gemm_launch"] = launch.label
     else:
         def multi():
             return grouped_gemm_reference(x_sorted, offsets, views)
@@ -195,6 +205,10 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
             return out
 
     variants = [("multi-buffer", time_fn(multi, **timer)), ("contiguous", time_fn(contiguous, **timer))]
+    if use_triton and launch.w_tma:  # the same tiles on pointer loads: what the TMA path buys
+        pointer_tiles = replace(launch.tiles, tma=False)
+        variants.append(("multi-buffer (pointers)", time_fn(
+            lambda: grouped_gemm(x_sorted, offsets, multi_table, out=out, config=pointer_tiles), **timer)))
     if has_grouped_mm:
         variants.append(("merge + grouped_mm", time_fn(lambda: _grouped_mm(x_sorted, torch.stack(views), offsets),
                                                        **timer)))
@@ -220,6 +234,9 @@ def _moe_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm, 
     down, _ = _split_buffers(shape.experts, args.buffers, shape.hidden, shape.inter, dtype, device, gen)
     if use_triton:
         gate_up_table, down_table = expert_weight_table(gate_up), expert_weight_table(down)
+        launches = moe_launch_configs(dtype, gate_up_table, down_table, num_slots=index.numel(),
+                                      device=device_info(torch.device(device)))
+        notes["moe_launches"] = {"gate_up": launches[0].label, "down": launches[1].label}
 
         def fused(**kwargs):
             return moe_experts(hidden, index, weights, gate_up_table, down_table, **kwargs)
@@ -239,6 +256,10 @@ def _moe_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm, 
             return _moe_grouped_mm_baseline(hidden, index, weights, gate_up, down)
 
         variants.append(("merge + grouped_mm", time_fn(baseline, **timer)))
+        merged = (torch.stack(gate_up), torch.stack(down))  # [E, 2I, H], [E, H, I], outside the timing
+        variants.append(("grouped_mm (merged, no copy)", time_fn(
+            lambda: _moe_grouped_mm_baseline(hidden, index, weights, gate_up, down, merged), **timer)))
+        merged = None
         notes["moe_max_abs_diff_vs_grouped_mm"] = (fused().float() - baseline().float()).abs().max().item()
     flops = 6.0 * index.numel() * shape.hidden * shape.inter
     single = variants[0][1].median_s

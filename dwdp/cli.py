@@ -56,6 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--repeats", type=_positive_int, default=3)
     tune.add_argument("--out", default="dwdp_tuned.json", help="where to write the recommended DWDPConfig")
     tune.add_argument("--report", metavar="JSON", help="also write the measurements and the reasoning here")
+    kt = sub.add_parser("tune-kernel", help="sweep the Triton experts kernel's tiles for a model on this GPU and "
+                        "write this device's kernel configuration file")
+    shape = kt.add_mutually_exclusive_group(required=True)
+    shape.add_argument("--model", metavar="PATH", help="local model directory (its config.json)")
+    shape.add_argument("--preset", help="a model preset of the cost model (dwdp/data/models.json)")
+    shape.add_argument("--shape", metavar="H,I,E,K", help="hidden, expert intermediate, experts, experts per token")
+    kt.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
+                    help="bf16 weights, or fp8 with 128x128 block scales and fp8 x fp8 dots (default bf16)")
+    kt.add_argument("--tokens", default="512,4096,16384", help="comma-separated tokens per forward to tune for")
+    kt.add_argument("--full", action="store_true", help="sweep every usual tile size, warps and stages (slow)")
+    kt.add_argument("--warmup", type=_positive_int, default=3)
+    kt.add_argument("--repeats", type=_positive_int, default=10)
+    kt.add_argument("--out-dir", help="where to write (default: DWDP_KERNEL_CONFIGS, else the package's "
+                    "kernels/configs/)")
+    kt.add_argument("--device", default="cuda", help="device to tune on (default cuda; cpu runs the interpreter)")
     serve = sub.add_parser("serve", help="context server: one independent prefill worker per DWDP rank, behind a "
                            "least-outstanding-tokens router (FastAPI)")
     served = serve.add_mutually_exclusive_group()
@@ -159,6 +174,48 @@ def _tune(args) -> int:
     return 0
 
 
+def _tune_kernel(args) -> int:
+    import torch
+
+    from .kernel_tune import model_gemms, run_tune_kernel
+
+    if args.shape:
+        try:
+            hidden, inter, experts, top_k = (int(v) for v in args.shape.split(","))
+        except ValueError:
+            raise SystemExit(f"dwdp tune-kernel: --shape={args.shape!r} must be four integers H,I,E,K") from None
+        name = f"H={hidden} I={inter} E={experts} k={top_k}"
+    else:
+        from .costmodel.models import ModelSpec, preset_config
+
+        if args.model:
+            from transformers import AutoConfig
+
+            model_config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        else:
+            try:
+                model_config = preset_config(args.preset)
+            except ValueError as exc:
+                raise SystemExit(f"dwdp tune-kernel: --preset: {exc}") from None
+        spec = ModelSpec.from_config(model_config, name=args.model or args.preset)
+        hidden, inter, experts, top_k, name = spec.hidden, spec.moe_intermediate, spec.num_experts, spec.top_k, spec.name
+    try:
+        tokens = [int(t) for t in args.tokens.split(",")]
+        shapes = model_gemms(hidden, inter, experts, top_k, tokens, args.dtype)
+    except ValueError as exc:
+        raise SystemExit(f"dwdp tune-kernel: --tokens={args.tokens!r}: {exc}") from None
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("dwdp tune-kernel: no CUDA device here (--device cpu runs the Triton interpreter, whose "
+                         "timings mean nothing)")
+    how = (f"dwdp tune-kernel on {name} (H={hidden}, I={inter}, E={experts}, k={top_k}), {args.dtype}, tokens "
+           f"{tokens}, {'full' if args.full else 'short'} candidate list, {args.warmup} warm-up + {args.repeats} timed "
+           f"calls per candidate, weights in 4 buffers")
+    run_tune_kernel(shapes, device, full=args.full, warmup=args.warmup, repeats=args.repeats, out_dir=args.out_dir,
+                    how=how)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
@@ -191,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "tune":
         return _tune(args)
+    if args.command == "tune-kernel":
+        return _tune_kernel(args)
     if args.command == "serve":
         from .serve import ServeConfig, run_server
 

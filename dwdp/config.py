@@ -52,7 +52,8 @@ class DWDPConfig:
     experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
         two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first),
         "triton_fp8" (triton with fp8 x fp8 dots: fp8 experts only, tokens quantized per row and
-        weight block of K), or "auto": triton for CUDA models, reference otherwise.
+        weight block of K), or "auto": triton for CUDA models (triton_fp8 for fp8 experts: the
+        dequantizing path is too slow to be chosen for you), reference otherwise.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
         batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
     copy_batches: most batches one layer's copy is cut into; each ends where experts complete. cuda:

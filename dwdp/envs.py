@@ -8,6 +8,10 @@ ENV_VARS = {
     "DWDP_WAIT_TIMEOUT_S": "overrides DWDPConfig.wait_timeout_s when set",
     "DWDP_TRACE_DIR": "write each rank's trace_rank{r}.json there (Chrome trace format)",
     "DWDP_LOG_LEVEL": "log level of the dwdp logger (default WARNING)",
+    "DWDP_KERNEL_CONFIGS": "directory of tuned kernel configuration files, read before the shipped ones "
+                           "(`dwdp tune-kernel` writes there when set)",
+    "DWDP_KERNEL_TMA": "0 keeps the Triton experts kernel on pointer loads where it would read through TMA "
+                       "descriptors (default 1)",
 }
 
 
@@ -40,3 +44,14 @@ def log_level() -> str:
 
 def trace_dir() -> str | None:
     return os.environ.get("DWDP_TRACE_DIR") or None
+
+
+def kernel_configs_dir() -> str | None:
+    return os.environ.get("DWDP_KERNEL_CONFIGS") or None
+
+
+def kernel_tma() -> bool:
+    value = os.environ.get("DWDP_KERNEL_TMA", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"DWDP_KERNEL_TMA={value!r} must be 0 or 1")
+    return value == "1"

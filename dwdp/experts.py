@@ -199,11 +199,12 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _kernel_call(runtime: LayerRuntime, slot: int, hidden_states, top_k_index, top_k_weights, *, split: bool,
-                 on_local_done) -> torch.Tensor:
+                 on_local_done, tiles=None) -> torch.Tensor:
     """moe_experts on this slot's tables, its inputs in one fixed form (contiguous, 16-byte aligned,
     fp32 routing weights, int64 table positions), so that every launch of a layer specialises the same
     way whatever the routing, the batch or the caller's dtypes: the forms `warm_kernel` compiles.
-    split: local experts first, then `on_local_done()`, then the rest; else every expert in one launch."""
+    split: local experts first, then `on_local_done()`, then the rest; else every expert in one launch.
+    tiles: a (gate_up, down) pair of tile configurations (warm-up); None lets the kernel choose them."""
     from .kernels import moe_experts
 
     tables = runtime.kernel_tables[slot]
@@ -214,14 +215,18 @@ def _kernel_call(runtime: LayerRuntime, slot: int, hidden_states, top_k_index, t
                        down_bias=tables.down_bias, epilogue=runtime.epilogue,
                        split_at=runtime.num_local if split else None, on_local_done=on_local_done if split else None,
                        first_scales=tables.first_scales, down_scales=tables.down_scales,
-                       fp8_activations=tables.fp8_activations)
+                       fp8_activations=tables.fp8_activations, config=tiles)
 
 
 def warm_kernel(runtime: LayerRuntime, dtype: torch.dtype, top_k: int, num_tokens: int = 64, seed: int = 0) -> int:
-    """Launch this layer's experts kernel in each form a forward can launch it (every expert at once:
-    its copies had landed; local experts first, then the rest: they had not) on seeded random inputs
-    through the slot-0 tables; returns the number of moe_experts calls. Nothing is waited for and the
+    """Launch this layer's experts kernel in each form a forward can launch it, on seeded random inputs
+    through the slot-0 tables; returns the number of moe_experts calls. The forms: every expert at once
+    (its copies had landed) or local experts first, then the rest (they had not), each with every pair
+    of tiles the number of tokens can select (kernels.moe_tile_pairs). Nothing is waited for and the
     outputs are discarded: the point is that Triton compiles (or loads) each specialisation now."""
+    from .kernels.launch import device_info
+    from .kernels.moe import moe_tile_pairs
+
     tables = runtime.kernel_tables[0]
     device = runtime.position.device
     num_experts = len(runtime.table_order)
@@ -230,6 +235,13 @@ def warm_kernel(runtime: LayerRuntime, dtype: torch.dtype, top_k: int, num_token
     index = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)                              # [T, k]
     router_ids = torch.tensor(runtime.table_order)[index].to(device)  # router ids whose positions are `index`
     weights = torch.rand(num_tokens, top_k, generator=gen).to(device)  # [T, k]
-    for split in (False, True):
-        _kernel_call(runtime, 0, hidden, router_ids, weights, split=split, on_local_done=lambda: None)
-    return 2
+    pairs = moe_tile_pairs(dtype, tables.first, tables.down, device=device_info(hidden.device),
+                           epilogue=runtime.epilogue, first_scales=tables.first_scales,
+                           down_scales=tables.down_scales, first_bias=tables.first_bias is not None,
+                           down_bias=tables.down_bias is not None, fp8_activations=tables.fp8_activations)
+    calls = 0
+    for tiles in pairs:
+        for split in (False, True):
+            _kernel_call(runtime, 0, hidden, router_ids, weights, split=split, on_local_done=lambda: None, tiles=tiles)
+            calls += 1
+    return calls

@@ -139,35 +139,45 @@ def epilogue_of(layer: ExpertsLayer):
     return epilogue
 
 
+# fp8 experts under "auto": the path that dequantizes weight tiles to bf16 in the K loop ran at 21 TFLOP/s on
+# an H100 against 205 for the same experts in bf16 (gpu_check g); "auto" takes a path only at >= 0.9x of
+# bf16, so it runs fp8 experts with fp8 x fp8 dots ("triton_fp8"), or on the reference path where those
+# cannot run. experts_kernel="triton" still asks for the dequantizing path.
+AUTO_DEQUANTIZED_FP8 = False
+
+
 def choose_experts_kernel(requested: str, device: torch.device, layers: list[ExpertsLayer]) -> str:
-    """"triton" for CUDA models whose every layer the kernel runs, "reference" otherwise; an explicit
-    "triton" (or "triton_fp8") that cannot work is an error naming the layer and the reason, not a
-    silent fallback."""
+    """"triton" for CUDA models whose every layer the kernel runs ("triton_fp8" under "auto" when their
+    experts are fp8: see AUTO_DEQUANTIZED_FP8), "reference" otherwise; an explicit "triton" (or
+    "triton_fp8") that cannot work is an error naming the layer and the reason, not a silent fallback."""
     if requested == "reference" or (requested == "auto" and device.type != "cuda"):
         return "reference"
+    fp8_layers = [layer for layer in layers if layer.spec.math.quantized]
+    fp8_dots = requested == "triton_fp8" or (requested == "auto" and bool(fp8_layers) and not AUTO_DEQUANTIZED_FP8)
     for layer in layers:
         blocker = kernel_blocker(layer)
-        if blocker is None and requested == "triton_fp8":
+        if blocker is None and fp8_dots:
             blocker = fp8_dot_blocker(layer)
         if blocker is not None:
             if requested in ("triton", "triton_fp8"):
                 raise ValueError(f"experts_kernel={requested!r} cannot run {layer.name} ({type(layer.module).__name__}): "
                                  f"{blocker}")
             return "reference"
-    return "triton_fp8" if requested == "triton_fp8" else "triton"
+    return "triton_fp8" if fp8_dots else "triton"
 
 
 def fp8_dot_blocker(layer: ExpertsLayer) -> str | None:
     """Why fp8 x fp8 dots cannot run this layer (on top of kernel_blocker), or None."""
-    from .kernels import GroupedGemmConfig
+    from .kernels import is_interpreter
+    from .kernels.launch import fp8_block_k
 
     math = layer.spec.math
     if len(math.quantized) != 2:
         return "fp8 dots need fp8 weights with block scales"
-    block_k = GroupedGemmConfig().block_k
     columns = [q.quant.block[1] for q in math.quantized]
-    if any(c % block_k for c in columns):
-        return f"its scale blocks span {columns} columns, not multiples of the kernel's K tile {block_k}"
+    if any(fp8_block_k(c, is_interpreter()) is None for c in columns):
+        return (f"its scale blocks span {columns} columns, which no power-of-two K tile >= "
+                f"{16 if is_interpreter() else 32} divides")
     if math.biases:
         return "fp8 dots take no biases"
     return None

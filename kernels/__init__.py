@@ -16,7 +16,9 @@ from .grouped_gemm import (
     is_interpreter,
     local_first_split,
 )
-from .moe import moe_experts, sort_by_expert
+from .launch import DeviceInfo, KernelProblem, LaunchConfig, candidate_tiles, device_info, launch_config
+from .moe import moe_experts, moe_launch_configs, sort_by_expert
+from .tuned_configs import KernelConfigError
 from .reference import epilogue_reference, grouped_gemm_reference, moe_experts_reference, swiglu_reference
 from .scaled_weights import ScaleTable, scale_table
 
@@ -28,14 +30,22 @@ __all__ = [
     "epilogue_reference",
     "ExpertWeightTable",
     "GroupedGemmConfig",
+    "candidate_tiles",
     "default_wave_size",
+    "DeviceInfo",
+    "device_info",
     "dequantize",
     "expert_weight_table",
     "grouped_gemm",
     "grouped_gemm_reference",
     "is_interpreter",
+    "KernelConfigError",
+    "KernelProblem",
+    "launch_config",
+    "LaunchConfig",
     "local_first_split",
     "moe_experts",
+    "moe_launch_configs",
     "moe_experts_reference",
     "quantize_fp8",
     "quantize_mxfp4",

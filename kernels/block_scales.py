@@ -178,15 +178,19 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exponent + 127).to(torch.uint8)
 
 
-def quantize_rows_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, group: int, *, groups_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [R, K] -> (float8_e4m3fn [R, K], fp32 scales [R, ceil(K / group)]): each row's group
-    of `group` columns divided by its max |x| / 448 (scale 1 for an all-zero group)."""
+    of `group` columns divided by its max |x| / 448 (scale 1 for an all-zero group). groups_first: the
+    scales are stored group after group ([G, R] in memory, returned as its [R, G] transpose), so the
+    rows of one kernel tile read one group's scales from consecutive addresses."""
     rows, cols = x.shape
     groups = math.ceil(cols / group)
     padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - cols))  # [R, G * group]
     amax = padded.view(rows, groups, group).abs().amax(dim=-1)                        # [R, G]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (padded.view(rows, groups, group) / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
+    if groups_first:
+        scale = scale.t().contiguous().t()  # [R, G] view of [G, R] storage
     return q.view(rows, groups * group)[:, :cols].to(FP8_DTYPE), scale
 
 

@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 
 from .block_scales import BlockQuant
+from .block_scales import quantize_rows_fp8
 from .grouped_gemm import (
     SWIGLU,
     Epilogue,
@@ -38,9 +39,9 @@ from .grouped_gemm import (
     _launch,
     _require_triton,
     _tile_count,
-    default_wave_size,
+    kernel_problem,
 )
-from .block_scales import quantize_rows_fp8
+from .launch import DeviceInfo, LaunchConfig, candidate_rows, device_info, launch_config
 from .scaled_weights import ScaleTable, check_fp8_activations, scale_table
 
 
@@ -72,7 +73,7 @@ def moe_experts(
     split_at: int | None = None,
     on_local_done: Callable[[], None] | None = None,
     wave_size: int | None = None,
-    config: GroupedGemmConfig | None = None,
+    config: GroupedGemmConfig | tuple[GroupedGemmConfig | None, GroupedGemmConfig | None] | None = None,
     first_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
     down_scales: Sequence[torch.Tensor] | ScaleTable | None = None,
     first_quant: BlockQuant | None = None,
@@ -97,10 +98,12 @@ def moe_experts(
     split_at: local-first scheduling with experts [0, split_at) local: both GEMMs first run the
         wave-aligned local prefix, then `on_local_done()` is called (e.g. make the compute stream
         wait for the prefetch), then both GEMMs run the remaining experts.
+    wave_size: programs of each persistent grid (default: SMs x the tiles' programs_per_sm).
+    config: tiles of both GEMMs, or a (gate_up, down) pair; default: each GEMM's own, from
+        `moe_launch_configs` (`moe_tile_pairs` lists every pair a number of tokens can select).
     Returns [T, H] in hidden's dtype.
     """
     _require_triton()
-    config = config or GroupedGemmConfig()
     epilogue = epilogue or SWIGLU
     gate_up_table = _as_table(gate_up, "gate_up")
     down_table = _as_table(down, "down")
@@ -111,8 +114,8 @@ def moe_experts(
     down_scale_table = None if down_scales is None else scale_table(down_scales, down_quant, down_table,
                                                                     "down_scales")
     if fp8_activations:
-        check_fp8_activations(first_scale_table, first_bias_table, config, "first_scales")
-        check_fp8_activations(down_scale_table, down_bias_table, config, "down_scales")
+        check_fp8_activations(first_scale_table, first_bias_table, "first_scales")
+        check_fp8_activations(down_scale_table, down_bias_table, "down_scales")
     _check_bias(first_bias_table, gate_up_table, "first_bias", hidden.dtype)
     _check_bias(down_bias_table, down_table, "down_bias", hidden.dtype)
     if not isinstance(hidden, torch.Tensor) or hidden.dim() != 2:
@@ -156,47 +159,113 @@ def moe_experts(
         low, high = int(top_k_index.min()), int(top_k_index.max())
         if low < 0 or high >= num_experts:
             raise ValueError(f"top_k_index values span [{low}, {high}], expected [0, {num_experts})")
-    wave = default_wave_size(hidden.device, config) if wave_size is None else wave_size
-    split = _check_split(split_at, "all" if split_at is None else "first", num_experts, wave)
-
     top_k = top_k_index.shape[1]
     num_slots = num_tokens * top_k
+    device = device_info(hidden.device)
+    first_launch, down_launch = moe_launch_configs(
+        hidden.dtype, gate_up_table, down_table, num_slots=num_slots, device=device, epilogue=epilogue,
+        first_scales=first_scale_table, down_scales=down_scale_table, first_bias=first_bias_table is not None,
+        down_bias=down_bias_table is not None, combine=combine, fp8_activations=fp8_activations, config=config)
+    first_wave = first_launch.wave_size(device) if wave_size is None else wave_size
+    down_wave = down_launch.wave_size(device) if wave_size is None else wave_size
+    split = _check_split(split_at, "all" if split_at is None else "first", num_experts, first_wave)
+
     if num_slots == 0:
         return hidden.new_zeros(num_tokens, hidden_dim)
     slots, expert_offsets = sort_by_expert(top_k_index, num_experts)  # [S], [E + 1]
     slot_weights = top_k_weights.reshape(-1).contiguous()  # [S], indexed by slot in the kernel
-    h = hidden.new_empty(num_slots, inter)  # [S, I] sorted rows
+    if first_launch.quant_out:  # fp8 dots: gate_up's epilogue writes h as fp8 with its scales (no h round trip)
+        h = torch.empty(num_slots, inter, dtype=torch.float8_e4m3fn, device=hidden.device)  # [S, I] sorted rows
+        h_scales = quantize_scales(num_slots, inter, down_scale_table.quant.block[1], hidden.device)  # [S, I / bk]
+    else:
+        h, h_scales = hidden.new_empty(num_slots, inter), None  # [S, I] sorted rows
     if combine == "sum":
         out = hidden.new_empty(num_slots, hidden_dim)  # [S, H] slot rows
     else:
         out = torch.zeros(num_tokens, hidden_dim, dtype=torch.float32, device=hidden.device)  # [T, H]
-    gate_up_n_tiles = _tile_count(inter, config.block_n)
-    down_n_tiles = _tile_count(hidden_dim, config.block_n)
+    # Each GEMM's split also checks the other's waves, so both cut at the same expert.
+    first_partner = (_tile_count(inter, first_launch.tiles.block_n), first_launch.tiles.block_m, first_wave)
+    down_partner = (_tile_count(hidden_dim, down_launch.tiles.block_n), down_launch.tiles.block_m, down_wave)
 
     first_a, first_a_scales = hidden, None
     if fp8_activations:  # tokens quantized once, before any launch (rows gathered with their scales)
-        first_a, first_a_scales = quantize_rows_fp8(hidden, first_scale_table.quant.block[1])  # [T, H], [T, H / bk]
+        first_a, first_a_scales = quantize_rows_fp8(hidden, first_scale_table.quant.block[1],
+                                                    groups_first=True)  # [T, H], [T, H / bk]
     parts = ("all",) if split_at is None else ("first", "second")
     for part in parts:
         if part == "second" and on_local_done is not None:
             on_local_done()
         _launch(
-            first_a, expert_offsets, gate_up_table, h,
-            num_rows=num_slots, slots=slots, scale=None, gather_a=True, scatter_out=False,
-            atomic_out=False, epilogue=epilogue, bias=first_bias_table, scales=first_scale_table, top_k=top_k,
-            split_at=split, n_tiles_partner=down_n_tiles, part=part, wave_size=wave, config=config,
-            a_scales=first_a_scales, act_group=first_scale_table.quant.block[1] if fp8_activations else 1,
+            first_a, expert_offsets, gate_up_table, h, launch=first_launch,
+            num_rows=num_slots, slots=slots, scale=None, epilogue=epilogue, bias=first_bias_table,
+            scales=first_scale_table, top_k=top_k, split_at=split, partner=down_partner, part=part,
+            wave_size=first_wave, a_scales=first_a_scales, out_scales=h_scales,
+            act_group=first_scale_table.quant.block[1] if fp8_activations else 1,
         )
-        down_a, down_a_scales = h, None
-        if fp8_activations:  # this part's rows of h are final: quantize h for the down GEMM's fp8 dots
-            down_a, down_a_scales = quantize_rows_fp8(h, down_scale_table.quant.block[1])  # [S, I], [S, I / bk]
+        down_a, down_a_scales = h, h_scales
+        if fp8_activations and h_scales is None:  # this part's rows of h are final: quantize them for the fp8 dots
+            down_a, down_a_scales = quantize_rows_fp8(h, down_scale_table.quant.block[1],
+                                                      groups_first=True)  # [S, I], [S, I / bk]
         _launch(
-            down_a, expert_offsets, down_table, out,
-            num_rows=num_slots, slots=slots, scale=slot_weights, gather_a=False, scatter_out=True,
-            atomic_out=combine == "atomic", epilogue=None, bias=down_bias_table, scales=down_scale_table,
-            top_k=top_k, split_at=split, n_tiles_partner=gate_up_n_tiles, part=part, wave_size=wave, config=config,
-            a_scales=down_a_scales, act_group=down_scale_table.quant.block[1] if fp8_activations else 1,
+            down_a, expert_offsets, down_table, out, launch=down_launch,
+            num_rows=num_slots, slots=slots, scale=slot_weights, epilogue=None, bias=down_bias_table,
+            scales=down_scale_table, top_k=top_k, split_at=split, partner=first_partner, part=part,
+            wave_size=down_wave, a_scales=down_a_scales,
+            act_group=down_scale_table.quant.block[1] if fp8_activations else 1,
         )
     if combine == "sum":
         return out.view(num_tokens, top_k, hidden_dim).sum(dim=1)  # [T, H]
     return out.to(hidden.dtype)
+
+
+def quantize_scales(rows: int, cols: int, group: int, device: torch.device) -> torch.Tensor:
+    """Room for the scales of fp8 activations [rows, cols], one per row and `group` columns: a [rows, G]
+    view of [G, rows] storage, the layout quantize_rows_fp8(groups_first=True) returns."""
+    return torch.empty(-(-cols // group), rows, dtype=torch.float32, device=device).t()
+
+
+def moe_launch_configs(
+    dtype: torch.dtype,
+    gate_up: ExpertWeightTable,
+    down: ExpertWeightTable,
+    *,
+    num_slots: int,
+    device: DeviceInfo,
+    epilogue: Epilogue | None = None,
+    first_scales: ScaleTable | None = None,
+    down_scales: ScaleTable | None = None,
+    first_bias: bool = False,
+    down_bias: bool = False,
+    combine: Literal["sum", "atomic"] = "sum",
+    fp8_activations: bool = False,
+    config: GroupedGemmConfig | tuple[GroupedGemmConfig | None, GroupedGemmConfig | None] | None = None,
+) -> tuple[LaunchConfig, LaunchConfig]:
+    """The launch configurations of `moe_experts`' two GEMMs (gate_up, down) for `num_slots` = T * k
+    token-expert slots of activations in `dtype` (kernels/launch.py chooses them; `config`: tiles for
+    both, or a (gate_up, down) pair). With fp8 activations gate_up asks to store h in fp8 with the scales
+    the down GEMM's dots read (done where its tiles cover whole scale groups: `LaunchConfig.quant_out`)."""
+    a_dtype = torch.float8_e4m3fn if fp8_activations else dtype
+    first = kernel_problem(a_dtype, gate_up, num_rows=num_slots, epilogue=epilogue or SWIGLU, scales=first_scales,
+                           gather_a=True, has_bias=first_bias,
+                           quant_out_group=down_scales.quant.block[1] if fp8_activations else 0, quant_out_round=dtype)
+    second = kernel_problem(a_dtype, down, num_rows=num_slots, scales=down_scales, scatter_out=True,
+                            atomic_out=combine == "atomic", has_row_scale=True, has_bias=down_bias)
+    first_tiles, down_tiles = config if isinstance(config, tuple) else (config, config)
+    return launch_config(first, device, first_tiles), launch_config(second, device, down_tiles)
+
+
+def moe_tile_pairs(dtype: torch.dtype, gate_up: ExpertWeightTable, down: ExpertWeightTable, *, device: DeviceInfo,
+                   **options) -> list[tuple[GroupedGemmConfig, GroupedGemmConfig]]:
+    """Every (gate_up tiles, down tiles) pair `moe_experts` can launch with for these weights, whatever
+    the number of tokens: the pairs a warm-up passes as `config` so that serving compiles nothing.
+    options: as moe_launch_configs (epilogue, scales, biases, combine, fp8_activations)."""
+    experts = gate_up.num_experts
+    rows = set()
+    for launch in moe_launch_configs(dtype, gate_up, down, num_slots=experts, device=device, **options):
+        rows.update(candidate_rows(launch.problem, device))
+    pairs = []
+    for r in sorted(rows):
+        first, second = moe_launch_configs(dtype, gate_up, down, num_slots=r * experts, device=device, **options)
+        if (first.tiles, second.tiles) not in pairs:
+            pairs.append((first.tiles, second.tiles))
+    return pairs

@@ -128,10 +128,61 @@ def test_fp8_weights_need_their_scales():
                                          r"mxfp4"):
         grouped_gemm(x, offsets, weights, weight_scales=scales, quant=BlockQuant("mxfp4", (1, 32)), config=TINY)
     down = [torch.randn(32, 16, generator=gen) for _ in range(2)]                      # [H, I]
-    with pytest.raises(ValueError, match=r"fp8_activations needs the kernel's block_k=16 to divide the scale blocks' "
-                                         r"8 columns \(weight_scales\)"):
+    with pytest.raises(ValueError, match=r"fp8_activations needs scale blocks whose 8 columns a power-of-two K tile "
+                                         r">= 16 divides \(weight_scales\)"):
         grouped_gemm(x, offsets, weights, weight_scales=[s.repeat_interleave(2, 1) for s in scales],
                      quant=BlockQuant("fp8", (16, 8)), fp8_activations=True, config=TINY)
     with pytest.raises(ValueError, match=r"first_scales needs its BlockQuant"):
         moe_experts(x, torch.zeros(4, 1, dtype=torch.long), torch.ones(4, 1), weights, down, first_scales=scales,
                     epilogue=Epilogue(), config=TINY)
+
+
+@pytest.mark.parametrize("fp8_activations", [False, True], ids=["bf16_dots", "fp8_dots"])
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_one_weight_scale_per_tile_where_tiles_sit_in_scale_blocks(fp8_activations, scale_fmt):
+    """[gate; up] of 2 x 32 rows blocked per half in 32 x 32 blocks, 16-row tiles: the kernel reads one
+    weight scale per tile and K step (gate and up alike) instead of one per column."""
+    from dwdp.kernels import device_info, expert_weight_table, launch_config, scale_table, swiglu_reference
+    from dwdp.kernels.grouped_gemm import kernel_problem
+
+    gen = torch.Generator().manual_seed(23)
+    quant = BlockQuant("fp8", (32, 32), halves=2)
+    weights, scales = _experts(gen, 3, 64, 64, quant, scale_fmt)
+    offsets = [0, 9, 9, 30]
+    x = torch.randn(offsets[-1], 64, generator=gen)
+    table = expert_weight_table(weights)
+    problem = kernel_problem(torch.float8_e4m3fn if fp8_activations else torch.float32, table, num_rows=30,
+                             epilogue=Epilogue(), scales=scale_table(scales, quant, table, "scales"))
+    assert dict(launch_config(problem, device_info(torch.device("cpu")), TINY).constexprs)["W_SCALE_TILE"] is True
+    args = dict(weight_scales=scales, quant=quant, fp8_activations=fp8_activations)
+    got = grouped_gemm(x, torch.tensor(offsets), weights, activation="swiglu", config=TINY, **args)
+    expected = swiglu_reference(grouped_gemm_reference(x, offsets, weights, **args))
+    _close(got, expected, torch.float32, f"per-tile scales {scale_fmt} fp8_activations={fp8_activations}")
+
+
+@pytest.mark.parametrize("down_block_cols", [16, 32], ids=["h_fp8_from_gate_up", "h_quantized_apart"])
+def test_fp8_dots_h_leaves_gate_up_in_fp8_where_its_tiles_hold_whole_groups(down_block_cols):
+    """With fp8 dots the down GEMM reads h in fp8 with one scale per row and block of its K columns. Where
+    gate_up's 16-column tiles hold whole groups (16), its epilogue writes h so; where they do not (32),
+    h is stored and quantized apart. Both equal the reference, which quantizes h rounded to bf16."""
+    from dwdp.kernels import device_info, expert_weight_table, moe_launch_configs, scale_table
+
+    gen = torch.Generator().manual_seed(29)
+    hidden_dim, inter, num_experts, tokens, top_k = 48, 32, 4, 11, 2
+    first_quant, down_quant = BlockQuant("fp8", (16, 16), halves=2), BlockQuant("fp8", (16, down_block_cols))
+    gate_up, gate_up_scales = _experts(gen, num_experts, 2 * inter, hidden_dim, first_quant)
+    down, down_scales = _experts(gen, num_experts, hidden_dim, inter, down_quant)
+    hidden = torch.randn(tokens, hidden_dim, generator=gen).bfloat16()
+    weights, index = torch.topk(torch.randn(tokens, num_experts, generator=gen).softmax(-1), top_k, dim=-1)
+    args = dict(first_scales=gate_up_scales, down_scales=down_scales, first_quant=first_quant, down_quant=down_quant,
+                fp8_activations=True)
+    gate_up_table, down_table = expert_weight_table(gate_up), expert_weight_table(down)
+    first, _ = moe_launch_configs(
+        torch.bfloat16, gate_up_table, down_table, num_slots=tokens * top_k, device=device_info(torch.device("cpu")),
+        first_scales=scale_table(gate_up_scales, first_quant, gate_up_table, "first"),
+        down_scales=scale_table(down_scales, down_quant, down_table, "down"), fp8_activations=True, config=TINY)
+    assert first.quant_out == (down_block_cols == 16), first
+    got = moe_experts(hidden, index, weights, gate_up, down, split_at=2, on_local_done=lambda: None, config=TINY,
+                      **args)
+    expected = moe_experts_reference(hidden, index, weights, gate_up, down, **args)
+    _close(got.float(), expected.float(), torch.float32, f"h blocks of {down_block_cols}", dict(atol=1e-2, rtol=2**-6))

@@ -3,7 +3,9 @@ with: the launches of `moe_experts` (local experts first, then the rest) and of 
 captured here, specialised as Triton specialises a real launch (16-divisible pointers and ints,
 ints equal to 1 as constants), and compiled for Hopper in a subprocess. Without the alignment
 hint on the weight table's loaded address Triton falls back to 2-byte scalar loads and no
-cp.async pipeline, and without bf16 inputs no wgmma: the PTX is checked for both."""
+cp.async pipeline, and without bf16 inputs no wgmma: the PTX is checked for both. Where the launch
+takes the TMA path (Hopper, kernels/launch.py) the tiles arrive through cp.async.bulk.tensor from
+descriptors built on the device (tensormap.replace); every shipped configuration is compiled too."""
 import importlib
 import json
 import os
@@ -16,8 +18,11 @@ import torch
 # Modules, not the same-named functions `dwdp.kernels` exports.
 gg = importlib.import_module("dwdp.kernels.grouped_gemm")
 moe = importlib.import_module("dwdp.kernels.moe")
+launch_mod = importlib.import_module("dwdp.kernels.launch")
 
-H100_SMS = 132
+from kernel_launches import H100, LaunchRecorder, specialization  # noqa: E402
+
+H100_SMS = H100.num_sms  # what torch reports on the H100 the shipped configuration file was measured on
 _COMPILE = r"""
 import json, re, sys
 import triton
@@ -46,46 +51,18 @@ for launch in json.load(sys.stdin):
         "e4m3_cvt": len(re.findall(r"cvt\.[a-z0-9.]*e4m3x2", ptx)),
         "wgmma_fp8": len(re.findall(r"wgmma\.mma_async[^\n]*e4m3\.e4m3", ptx)),
         "scalar_8": len(re.findall(r"ld\.global(?:\.[a-z]+)*\.[bu]8 ", ptx)),
+        "tma_load": ptx.count("cp.async.bulk.tensor"),
+        "tensormap": ptx.count("tensormap.replace"),
     })
 print(json.dumps(counts))
 """
 
 
-class _Recorder:
-    """Stands in for the kernel: keeps each launch's arguments, specialised as Triton would."""
-
-    def __init__(self):
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.nvidia.compiler import CUDABackend
-
-        self.launches = []
-        self._specialize = lambda arg: native_specialize_impl(CUDABackend, arg, False, True, True)
-
-    def __getitem__(self, grid):
-        def launch(*args, num_warps, num_stages, **constexprs):
-            names = gg._grouped_gemm_kernel_names
-            spec = {}
-            for name, arg in zip(names, args):
-                kind, key = self._specialize(arg)
-                spec[name] = (kind, key if kind == "constexpr" else None, key if kind != "constexpr" else "")
-            for name, value in constexprs.items():
-                spec[name] = ("constexpr", value, "")
-            self.launches.append({"args": spec, "options": {"num_warps": num_warps, "num_stages": num_stages}})
-        return launch
-
-
 @pytest.fixture
 def recorder(monkeypatch):
+    """The kernel replaced by a recorder, launches seen as on an H100 (its configuration file, sm_90)."""
     pytest.importorskip("triton.backends.nvidia")
-    rec = _Recorder()
-    names = list(gg._grouped_gemm_kernel.arg_names)
-    monkeypatch.setattr(gg, "_grouped_gemm_kernel_names", names, raising=False)
-    monkeypatch.setattr(gg, "_grouped_gemm_kernel", rec)
-    # What a CUDA device gives: no interpreter (bf16 tensor-core dots), no CPU-only device refusal.
-    monkeypatch.setattr(gg, "is_interpreter", lambda: False)
-    monkeypatch.setattr(moe, "_check_device", lambda device, name: None)
-    monkeypatch.setattr(gg, "_check_device", lambda device, name: None)
-    return rec
+    return LaunchRecorder().install(monkeypatch, H100)
 
 
 class _ScalarReads:
@@ -121,6 +98,20 @@ def _inputs(tokens=300, hidden=2048, inter=768, experts=16, top_k=8, seed=0):
     return x, gate_up, down, index, weights
 
 
+def _assert_streamed(name: str, launch: dict, c: dict, scalar_16: int = 0) -> None:
+    """Weight and A tiles reach wgmma in 16-byte pieces or more: through TMA where the launch took that
+    path (descriptors built on the device: tensormap.replace), through cp.async where it did not."""
+    w_tma, a_tma = launch["args"]["W_TMA"][1], launch["args"]["A_TMA"][1]
+    assert c["wgmma"] > 0, f"{name}: no wgmma in sm_90 PTX: {c}"
+    if w_tma:
+        assert c["tma_load"] > 0 and c["tensormap"] > 0, f"{name}: TMA path without TMA loads: {c}"
+    else:
+        assert c["tma_load"] == 0 and c["tensormap"] == 0, f"{name}: pointer path with TMA ops: {c}"
+    if not (w_tma and a_tma):
+        assert c["async_16"] > 0, f"{name}: tiles read through pointers without 16-byte cp.async: {c}"
+    assert c["scalar_16"] <= scalar_16, f"{name}: 2-byte scalar loads in sm_90 PTX: {c}"
+
+
 def _compile(launches):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
@@ -142,33 +133,48 @@ def test_cuda_experts_path_launches_compile_with_wgmma_and_16_byte_loads(recorde
     assert reads.count == 2, f"{reads.count} device-to-host scalar reads in moe_experts"
     # Local-first: both GEMMs' first parts, the wait for the copies, both GEMMs' second parts.
     assert len(recorder.launches) == 4 and waited == [2], (len(recorder.launches), waited)
-    parts = [launch["args"]["PART"][1] for launch in recorder.launches]
+    parts = [launch["args"]["part"][1] for launch in recorder.launches]
     assert parts == [1, 1, 2, 2], parts
     first = recorder.launches[0]["args"]
     assert first["a_ptr"][0] == "*bf16" and first["FP32_DOT"][1] is False and first["GATED"][1] is True
     assert first["stride_ak"][0] == "constexpr" and first["K"][2] == "D", first
+    # On Hopper: weights through per-expert descriptors; gathered token rows through pointers, h through TMA.
+    paths = [(launch["args"]["W_TMA"][1], launch["args"]["A_TMA"][1]) for launch in recorder.launches[:2]]
+    assert paths == [(True, False), (True, True)], paths
     counts = _compile(recorder.launches[:2])  # gate_up (SwiGLU, gathered rows) and down (scaled, scattered)
-    for name, c in zip(("gate_up", "down"), counts):
-        assert c["async_16"] > 0 and c["scalar_16"] == 0, f"{name}: loads in sm_90 PTX: {c}"
-        assert c["wgmma"] > 0, f"{name}: no wgmma in sm_90 PTX: {c}"
+    for name, launch, c in zip(("gate_up", "down"), recorder.launches, counts):
+        _assert_streamed(name, launch, c)
 
 
 @pytest.mark.timeout(180)
-def test_plain_grouped_gemm_launch_compiles_with_wgmma_and_16_byte_loads(recorder):
+@pytest.mark.parametrize("tma", ["1", "0"], ids=["tma", "pointers"])
+def test_plain_grouped_gemm_launch_compiles_with_wgmma_and_16_byte_loads(recorder, monkeypatch, tma):
+    monkeypatch.setenv("DWDP_KERNEL_TMA", tma)
     x, gate_up, _, index, _ = _inputs(top_k=2)
     counts = torch.bincount(index.reshape(-1), minlength=gate_up.shape[0])
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     x_sorted = torch.randn(int(offsets[-1]), x.shape[1], generator=torch.Generator().manual_seed(1)).bfloat16()
-    gg.grouped_gemm(x_sorted, offsets, list(gate_up.unbind(0)), wave_size=H100_SMS)
+    import contextvars
+
+    from triton.runtime import _allocation
+
+    def launch_in_fresh_context():  # a thread that never set an allocator: the TMA launch gives Triton one
+        gg.grouped_gemm(x_sorted, offsets, list(gate_up.unbind(0)), wave_size=H100_SMS)
+        return not isinstance(_allocation._allocator.get(), _allocation.NullAllocator)
+
+    has_allocator = contextvars.Context().run(launch_in_fresh_context)
+    assert has_allocator == (tma == "1"), (tma, has_allocator)
+    (launch,) = recorder.launches
+    assert (launch["args"]["W_TMA"][1], launch["args"]["A_TMA"][1]) == ((True, True) if tma == "1" else (False, False))
     (c,) = _compile(recorder.launches)
-    assert c["async_16"] > 0 and c["scalar_16"] == 0 and c["wgmma"] > 0, f"loads / wgmma in sm_90 PTX: {c}"
+    _assert_streamed("plain", launch, c)
 
 
 @pytest.mark.timeout(180)
 def test_transposed_biased_launches_compile_with_wgmma(recorder):
     """Weights stored [in, out] (read transposed, Llama 4 / gpt-oss), biases, clamped SwiGLU with a
     gain and an up offset. The only scalar loads allowed are the bias rows, a few per tile; the weight
-    tiles must still stream through cp.async into wgmma. (gpt-oss also interleaves its gate and up
+    tiles must still stream (through descriptors over the [in, out] storage on Hopper) into wgmma. (gpt-oss also interleaves its gate and up
     rows; those strided columns are loaded 2 bytes at a time today: see the README's kernel notes.)"""
     from dwdp.kernels import Epilogue
 
@@ -186,15 +192,15 @@ def test_transposed_biased_launches_compile_with_wgmma(recorder):
                     first_bias=list(first_bias), down_bias=list(down_bias), epilogue=epilogue, split_at=4,
                     on_local_done=lambda: None, wave_size=H100_SMS)
     assert len(recorder.launches) == 4, len(recorder.launches)
-    for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
-        assert c["async_16"] > 0 and c["wgmma"] > 0, f"{name}: loads / wgmma in sm_90 PTX: {c}"
-        assert c["scalar_16"] <= 2, f"{name}: more scalar loads than the bias rows: {c}"
+    assert [launch["args"]["W_TRANSPOSED"][1] for launch in recorder.launches[:2]] == [True, True]
+    for name, launch, c in zip(("gate_up", "down"), recorder.launches, _compile(recorder.launches[:2])):
+        _assert_streamed(name, launch, c, scalar_16=2)  # the bias rows, a few per tile
 
 
 @pytest.mark.timeout(180)
 def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder):
     """fp8 weights with 128 x 128 block scales (DeepSeek-V3's layout, gate and up blocked apart):
-    the fp8 tiles stream through 16-byte cp.async like bf16 ones, are converted from e4m3 in
+    the fp8 tiles stream in (TMA on Hopper) like bf16 ones, are converted from e4m3 in
     registers, scaled and fed to bf16 wgmma; no fp8 value is loaded a byte at a time. With fp8
     activations the dots are fp8 x fp8 wgmma."""
     from dwdp.kernels import BlockQuant, quantize_fp8
@@ -213,8 +219,8 @@ def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder
     assert len(recorder.launches) == 4, len(recorder.launches)
     first = recorder.launches[0]["args"]
     assert first["W_SCALED"][1] is True and first["SCALE_E8M0"][1] is False, first
-    for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
-        assert c["async_16"] > 0 and c["wgmma"] > 0, f"{name}: loads / wgmma in sm_90 PTX: {c}"
+    for name, launch, c in zip(("gate_up", "down"), recorder.launches, _compile(recorder.launches[:2])):
+        _assert_streamed(name, launch, c)
         assert c["e4m3_cvt"] > 0 and c["scalar_8"] == 0, f"{name}: fp8 conversions / byte loads in sm_90 PTX: {c}"
     # fp8 activations: the same launches become fp8 x fp8 wgmma, activation tiles streamed as fp8.
     recorder.launches.clear()
@@ -223,6 +229,75 @@ def test_fp8_block_scaled_launches_compile_with_wgmma_and_16_byte_loads(recorder
                     on_local_done=lambda: None, wave_size=H100_SMS, fp8_activations=True)
     first = recorder.launches[0]["args"]
     assert first["A_FP8"][1] is True and first["a_ptr"][0] == "*fp8e4nv", first["a_ptr"]
-    for name, c in zip(("gate_up", "down"), _compile(recorder.launches[:2])):
-        assert c["wgmma_fp8"] > 0 and c["async_16"] > 0, f"{name}: fp8 wgmma / loads in sm_90 PTX: {c}"
+    for name, launch, c in zip(("gate_up", "down"), recorder.launches, _compile(recorder.launches[:2])):
+        _assert_streamed(name, launch, c)
+        assert c["wgmma_fp8"] > 0, f"{name}: no fp8 x fp8 wgmma in sm_90 PTX: {c}"
         assert c["scalar_8"] == 0, f"{name}: byte loads in sm_90 PTX: {c}"
+
+
+def test_specialization_does_not_depend_on_routing_or_arrival(recorder):
+    """The compiled variants of a layer are the same whatever the routing (group sizes, experts with no
+    rows), the local-first split and the part: only the layer's shapes and its tiles key them."""
+    x, gate_up, down, index, weights = _inputs(tokens=64, hidden=256, inter=128, experts=8, top_k=2)
+    skewed = torch.zeros_like(index)
+    skewed[:, 1] = 1  # every token on experts 0 and 1: six experts without rows
+    views = (list(gate_up.unbind(0)), list(down.unbind(0)))
+    moe.moe_experts(x, index, weights, *views, wave_size=H100_SMS)
+    moe.moe_experts(x, skewed, weights, *views, wave_size=H100_SMS)
+    moe.moe_experts(x, index, weights, *views, split_at=3, on_local_done=lambda: None, wave_size=H100_SMS)
+    moe.moe_experts(x, skewed, weights, *views, split_at=5, on_local_done=lambda: None, wave_size=7)
+    assert len(recorder.launches) == 12, len(recorder.launches)
+    gate_up_keys = {specialization(launch) for launch in recorder.launches[0::2]}
+    down_keys = {specialization(launch) for launch in recorder.launches[1::2]}
+    assert len(gate_up_keys) == 1 and len(down_keys) == 1, (len(gate_up_keys), len(down_keys))
+
+
+def _shipped_cases():
+    """(file, kind, n, k, rows per expert) of every entry and default of the shipped configuration files."""
+    from dwdp.kernels import tuned_configs
+
+    cases = []
+    for path in sorted(tuned_configs.PACKAGE_DIR.glob("*.json")):
+        tuned = tuned_configs.load(path)
+        cases += [(path.name, e.kind, e.n, e.k, e.rows_per_expert) for e in tuned.entries]
+        cases += [(path.name, kind, 512, 256, 64) for kind in tuned.defaults]  # a shape no entry has
+    return cases
+
+
+@pytest.mark.timeout(300)
+def test_every_shipped_configuration_compiles_for_sm_90(recorder):
+    """Each entry and default of the shipped files, launched as grouped_gemm launches it on a device of
+    that name (plain or SwiGLU, bf16, or fp8 weights with fp8 activations), compiles with wgmma and its
+    tiles streamed in (TMA where chosen), and takes the tiles of that entry. Weights are uninitialised
+    views: only their shapes, strides and addresses reach the compiler."""
+    from dwdp.kernels import SWIGLU, BlockQuant
+
+    cases = _shipped_cases()
+    assert cases, "no shipped configuration"
+    experts, keys, launches, names = 2, set(), [], []
+    for name, kind, n, k, rows in cases:
+        assert name == "NVIDIA_H100_80GB_HBM3.json", name  # the only device whose name the fixture gives
+        gated, fp8 = kind.endswith("_gated"), kind.startswith("fp8") and not kind.startswith("fp8w")
+        x = torch.empty(rows * experts, k, dtype=torch.bfloat16)
+        offsets = torch.arange(experts + 1) * rows
+        kwargs = {"activation": SWIGLU if gated else None}
+        if fp8:
+            quant = BlockQuant("fp8", (128, 128), halves=2 if gated else 1)
+            weights = [torch.empty(n, k, dtype=torch.float8_e4m3fn) for _ in range(experts)]
+            kwargs.update(weight_scales=[torch.ones(*quant.scale_shape(n, k)) for _ in range(experts)], quant=quant,
+                          fp8_activations=True)
+        else:
+            weights = [torch.empty(n, k, dtype=torch.bfloat16) for _ in range(experts)]
+        recorder.launches.clear()
+        gg.grouped_gemm(x, offsets, weights, wave_size=H100_SMS, **kwargs)
+        (launch,) = recorder.launches
+        assert launch["args"]["GATED"][1] is gated and launch["args"]["A_FP8"][1] is fp8, (kind, launch["args"])
+        key = specialization(launch)
+        if key not in keys:
+            keys.add(key)
+            launches.append(launch)
+            names.append(f"{kind} n={n} k={k} rows={rows}")
+    for name, launch, c in zip(names, launches, _compile(launches)):
+        _assert_streamed(name, launch, c)
+        if name.startswith("fp8"):
+            assert c["wgmma_fp8"] > 0, f"{name}: no fp8 x fp8 wgmma: {c}"

@@ -22,9 +22,11 @@ def test_every_package_of_the_tree_is_listed():
 
 
 def test_every_data_file_is_package_data():
-    patterns = _setuptools()["package-data"]["dwdp"]
-    data_files = [p for p in (ROOT / "dwdp").rglob("*.json")]
-    assert data_files
-    for path in data_files:
-        rel = path.relative_to(ROOT / "dwdp")
-        assert any(rel.match(pattern) for pattern in patterns), (str(rel), patterns)
+    # package -> its source directory (dwdp.kernels ships from kernels/, see package-dir)
+    for package, directory in (("dwdp", ROOT / "dwdp"), ("dwdp.kernels", ROOT / "kernels")):
+        patterns = _setuptools()["package-data"][package]
+        data_files = [p for p in directory.rglob("*.json")]
+        assert data_files, package
+        for path in data_files:
+            rel = path.relative_to(directory)
+            assert any(rel.match(pattern) for pattern in patterns), (package, str(rel), patterns)
