@@ -63,14 +63,14 @@ def _try_family(rank: int, index: int, family: str, group, broken: tuple[str, ..
     if any(errors):
         failed = {r: e for r, e in enumerate(errors) if e}
         return dict(error=f"not built on ranks {sorted(failed)}: {next(iter(failed.values()))}", coverage=coverage)
-    gen = torch.Generator().manual_seed(1000 * rank + index)
-    ids = torch.randint(3, 128, (2, 5 + 2 * rank), generator=gen)  # this rank's own batch
     try:
         # What DWDPModel checks first, before the unwrapped forward: a refused family's own forward need
         # not run (Doge's MoE model of transformers 5.17 raises in its decoder layer).
         find_experts(model)
     except Unsupported as exc:
         return dict(refused=str(exc), coverage=coverage)
+    gen = torch.Generator().manual_seed(1000 * rank + index)
+    ids = torch.randint(3, 128, (2, 5 + 2 * rank), generator=gen)  # this rank's own batch
     try:
         with torch.no_grad():
             reference = _forward(model, ids, index)
