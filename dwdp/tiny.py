@@ -82,10 +82,12 @@ _HINTS: dict[str, dict] = {
     "nemotron_h": dict(layers_block_type=["mamba", "moe", "attention", "moe"]),
     "qwen3_5_moe": dict(layer_types=_HYBRID),
     "qwen3_next": dict(layer_types=_HYBRID),
-    "qwen4_exp": dict(layer_types=["linear_attention", "indexed_attention", "linear_attention"], indexer_n_heads=2,
-                      indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=16, indexer_compress_ratio=4),
+    # Their configs turn "full_attention" into their own sparse-attention layer type, whose name changes
+    # between releases ("qwen_sparse_attention" / "deepseek_sparse_attention", later "indexed_attention").
+    "qwen4_exp": dict(layer_types=_HYBRID, indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
+                      indexer_budget=16, indexer_compress_ratio=4),
     "glm5_next": {"text_config.qk_rope_head_dim": 0,  # its sparse-attention layers use no RoPE
-                  "text_config.layer_types": ["linear_attention", "indexed_attention", "linear_attention"],
+                  "text_config.layer_types": _HYBRID,
                   "text_config.mlp_layer_types": ["dense", "sparse", "sparse"]},
     "step3p7": {"text_config.sliding_window": 16, "text_config.mlp_layer_types": ["dense", "sparse", "sparse"]},
     # Sizes whose default relation to others breaks at tiny size.
@@ -145,6 +147,12 @@ def _shrink(config_class, rules: dict, text_hidden: int, is_tower: bool) -> dict
     return kwargs
 
 
+# (config model type, sub-config) -> the model type of an AutoConfig sub-config whose release declares no
+# default for it: DiffusionGemmaConfig of 5.17 builds no vision config by default, yet its encoder always
+# builds a vision tower from one (later releases declare gemma4_vision).
+_SUB_CONFIG_TYPES = {("diffusion_gemma", "vision_config"): "gemma4_vision"}
+
+
 def _sub_config_classes(config_class) -> dict:
     """Sub-config name -> its config class (resolving an AutoConfig spec through its default model type)."""
     from transformers import CONFIG_MAPPING, AutoConfig
@@ -152,9 +160,10 @@ def _sub_config_classes(config_class) -> dict:
     out = {}
     specs = getattr(config_class, "sub_configs_defaults", None) or {}
     for name, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
-        spec = specs.get(name)
-        if sub_class is AutoConfig and getattr(spec, "model_type", None) in CONFIG_MAPPING:
-            sub_class = CONFIG_MAPPING[spec.model_type]
+        model_type = (getattr(specs.get(name), "model_type", None)
+                      or _SUB_CONFIG_TYPES.get((getattr(config_class, "model_type", None), name)))
+        if sub_class is AutoConfig and model_type in CONFIG_MAPPING:
+            sub_class = CONFIG_MAPPING[model_type]
         if isinstance(sub_class, type) and sub_class is not AutoConfig:
             out[name] = sub_class
     return out

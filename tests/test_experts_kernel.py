@@ -12,6 +12,7 @@ from dwdp.model import DWDPModel
 from dwdp.quantization import ExpertsQuantization
 from dwdp.tiny import build_tiny_model
 from dwdp.tiny_quantized import build_tiny_quantized
+from releases import family_case
 
 MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor", "aten.clone",
              "aten.contiguous", "aten._to_copy", "aten.copy_")
@@ -123,7 +124,7 @@ def test_bad_experts_kernel_value():
     ("gpt_oss", Epilogue(interleaved=True, alpha=1.702, limit=7.0, up_offset=1.0)),
     ("minimax_m3_vl", Epilogue(alpha=1.702, limit=7.0, up_offset=1.0)),
     ("deepseek_v4", Epilogue(limit=10.0)),
-    ("inkling2", None),  # softcapped SwiGLU: reference path
+    family_case("inkling2", None),  # softcapped SwiGLU: reference path
 ])
 def test_epilogue_identified_from_the_module_gate(family, expected):
     """The kernel epilogue is found by probing each family's own gate function, clamp limits included."""

@@ -1,8 +1,9 @@
 """Find a model's MoE experts modules by structure, and route their calls to an experts function.
 
 Every module is offered to the adapters in turn: the few real models with an interface of their own
-(Llama 4, DBRX, LongCat-Flash) first, then transformers' experts interface, which covers every
-decorated experts class (whatever its flags) and undecorated ones with the standard signature.
+(Llama 4, DBRX, LongCat-Flash, and Aria in releases before its experts took the decorator) first, then
+transformers' experts interface, which covers every decorated experts class (whatever its flags) and
+undecorated ones with the standard signature.
 Whole multimodal models are searched too, so their text model's experts are found. A module that
 looks like experts (its class name says so) but that no adapter takes is refused by name, class and
 the attribute that stops it, rather than silently left replicated.
@@ -13,6 +14,7 @@ import re
 
 import torch
 
+from .aria import GroupedGemmExpertsAdapter
 from .base import ExpertsAdapter, ExpertsFunction, ExpertsLayer, Unsupported
 from .dbrx import FlattenedGLUAdapter
 from .interface import ExpertsInterfaceAdapter, forward_args, STANDARD_ARGS
@@ -20,7 +22,8 @@ from .llama4 import Llama4Adapter
 from .longcat import IdentityExpertsAdapter
 
 ADAPTERS: tuple[ExpertsAdapter, ...] = (
-    Llama4Adapter(), FlattenedGLUAdapter(), IdentityExpertsAdapter(), ExpertsInterfaceAdapter(),
+    Llama4Adapter(), FlattenedGLUAdapter(), IdentityExpertsAdapter(), GroupedGemmExpertsAdapter(),
+    ExpertsInterfaceAdapter(),
 )
 _LOOKS_LIKE_EXPERTS = re.compile(r"(Experts|MoE|Moe|MoA)$")
 

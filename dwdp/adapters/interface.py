@@ -17,16 +17,21 @@ from ..expert_tensors import ExpertsMath, ExpertsSpec, ExpertTensor, glu
 from .base import ExpertsAdapter, ExpertsLayer, Unsupported
 from .quantized import read_projection
 
-FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
+FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+# Flags the decorator gained in later releases, with the value an older release's classes behave as.
+LATER_FLAGS = {"has_post_expert_norm": False}
 STANDARD_ARGS = ("hidden_states", "top_k_index", "top_k_weights")
-# gpt-oss before transformers gave it the decorator (5.17 and earlier): the same three tensors under other
-# names, weights stored [in, out] (its forward computes x @ W), biases, gate/up interleaved by its own gate.
-GPT_OSS_ARGS = ("hidden_states", "router_indices", "routing_weights")
 
 
 def is_decorated(module: torch.nn.Module) -> bool:
     """True for an instance of a class decorated with transformers' experts-implementation decorator."""
     return all(isinstance(getattr(module, f, None), bool) for f in FLAGS) and hasattr(type(module), "_apply_gate")
+
+
+def decorator_flags(module: torch.nn.Module) -> dict[str, bool]:
+    """The decorator's flags on a decorated instance; a flag its release does not set takes the value
+    that release's classes behave as (no post-expert norm before the decorator could declare one)."""
+    return {**LATER_FLAGS, **{f: getattr(module, f) for f in (*FLAGS, *LATER_FLAGS) if hasattr(module, f)}}
 
 
 def forward_args(module: torch.nn.Module) -> tuple[str, ...]:
@@ -133,16 +138,9 @@ class ExpertsInterfaceAdapter(ExpertsAdapter):
 
     def spec(self, name: str, module: torch.nn.Module, model: torch.nn.Module) -> ExpertsSpec | None:
         if is_decorated(module):
-            return interface_spec(
-                name, module, has_gate=module.has_gate, has_bias=module.has_bias, is_transposed=module.is_transposed,
-                has_post_expert_norm=module.has_post_expert_norm, is_concatenated=module.is_concatenated,
-                decorated=True,
-            )
+            return interface_spec(name, module, **decorator_flags(module), decorated=True)
         if has_standard_interface(module) and isinstance(getattr(module, "down_proj", None), torch.Tensor):
             return interface_spec(name, module)
-        if forward_args(module) == GPT_OSS_ARGS and isinstance(getattr(module, "down_proj", None), torch.Tensor):
-            has_bias = isinstance(getattr(module, "gate_up_proj_bias", None), torch.Tensor)
-            return interface_spec(name, module, has_bias=has_bias, is_transposed=True, is_concatenated=False)
         return None
 
     def label(self, spec: ExpertsSpec) -> str:

@@ -1,0 +1,59 @@
+"""The transformers releases the suite runs on, and what tests expect of each where the releases differ.
+
+CI runs the pinned release (constraints.txt); the oldest supported release (the floor of pyproject.toml
+and dwdp/versions.py) is run too (GPU machines carry it). Where an expectation differs between them it
+is keyed here by release, so each release is held to what it ships and nothing is loosened for both.
+"""
+from pathlib import Path
+
+import pytest
+import transformers
+
+from dwdp.coverage import readme_block
+from dwdp.families import moe_families
+from dwdp.versions import FLOORS, _release
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALLED = _release(transformers.__version__)
+
+
+def _pinned_version() -> str:
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if line.startswith("transformers=="):
+            return line.split("==")[1].strip()
+    raise AssertionError("constraints.txt pins no transformers release")
+
+
+PINNED_VERSION = _pinned_version()
+PINNED = _release(PINNED_VERSION)
+
+# MoE families of the pinned release that the oldest supported release (5.17) does not ship.
+NOT_IN_OLDEST = frozenset({
+    "bailing_hybrid", "beam", "dots3_note", "flint", "hy_v4_vl", "inkling2", "inkling2_loop", "kolibri1",
+    "lara_mini", "mistral_large4", "muse_spark", "unlimited_ocr",
+})
+
+
+def pinned_families() -> list[str]:
+    """The MoE families of the pinned release: the rows of the README's family table, generated on it."""
+    block = readme_block((ROOT / "README.md").read_text())
+    rows = [line.split("|")[1].strip() for line in block.splitlines() if line.startswith("| ")]
+    return [r for r in rows if r != "family"]
+
+
+def absent_here() -> list[str]:
+    """The families of NOT_IN_OLDEST the installed release does not ship: none on the pinned release or
+    later, where every one of them must be there."""
+    if INSTALLED >= PINNED:
+        return []
+    discovered = {f.name for f in moe_families()}
+    return sorted(NOT_IN_OLDEST - discovered)
+
+
+def family_case(family: str, *values):
+    """A pytest case for `family`, skipped (saying why) only on a release older than the pinned one that
+    is known not to ship it; anywhere else a missing family fails the test."""
+    absent = family in absent_here()
+    return pytest.param(family, *values, marks=pytest.mark.skipif(
+        absent, reason=f"{family} is not in transformers {transformers.__version__} (it ships in "
+                       f"{PINNED_VERSION}, not in {FLOORS['transformers']})"))
