@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/torchrun_tiny.py [--family mixtral]
 """
 import argparse
+import os
 
 import torch
 
@@ -24,8 +25,9 @@ def main() -> int:
             diff = (wrapped(ids).logits - reference(ids).logits).abs().max().item()
         memory = wrapped.memory
     ok = diff <= 1e-5
-    print(f"rank {rank}/{wrapped.group.size}: max|dlogits|={diff:.2e} local experts "
-          f"{memory.local_expert_bytes} of {memory.full_expert_bytes} bytes {'ok' if ok else 'MISMATCH'}", flush=True)
+    line = (f"rank {rank}/{wrapped.group.size}: max|dlogits|={diff:.2e} local experts "
+            f"{memory.local_expert_bytes} of {memory.full_expert_bytes} bytes {'ok' if ok else 'MISMATCH'}\n")
+    os.write(1, line.encode())  # one write: the ranks share the output pipe, and lines must not interleave
     torch.distributed.destroy_process_group()
     return 0 if ok else 1
 

@@ -20,7 +20,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Modules whose kernel tests run Triton on CPU tensors.
 INTERPRETER_MODULES = {"test_grouped_gemm.py", "test_moe_kernel.py", "test_fp8_kernel.py", "test_experts_kernel.py",
-                       "test_local_first.py"}
+                       "test_local_first.py", "test_experts_groups.py", "test_tma_path.py"}
 
 
 def _has_cuda_driver() -> bool:
