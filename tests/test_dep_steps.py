@@ -53,7 +53,9 @@ def _serve_rank(rank: int, ranks: int, held: list[list[list[int]]], max_num_toke
     steps, broken, failed_at = [], None, None
 
     def on_step(batch, logits):
-        steps.append(([job.request_id for job in batch], None if logits is None else logits.clone()))
+        # numpy, not a tensor: a tensor would travel to the parent as a shared-memory handle that this
+        # process must still serve when the parent unpickles it (after rank 0 may have exited).
+        steps.append(([job.request_id for job in batch], None if logits is None else logits.numpy().copy()))
 
     started = time.monotonic()
     try:
@@ -95,7 +97,8 @@ def test_every_prompt_matches_the_unwrapped_model_whatever_the_peers_hold(tmp_pa
         assert o["broken"] is None, o["broken"]
         answers = {m.request_id: m for m in o["messages"] if isinstance(m, (PrefillResult, PrefillError))}
         assert sorted(answers) == sorted(f"r{rank}-{i}" for i in range(len(held[rank]))), sorted(answers)
-        logits = {rid: row for ids, rows in o["steps"] if rows is not None for rid, row in zip(ids, rows)}
+        logits = {rid: torch.from_numpy(row) for ids, rows in o["steps"] if rows is not None
+                  for rid, row in zip(ids, rows)}
         for i, ids in enumerate(held[rank]):
             rid = f"r{rank}-{i}"
             result = answers[rid]

@@ -129,20 +129,13 @@ def run_dep_step(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_n
 def _collect(requests, pending: deque, stopping: bool, wait_s: float) -> bool:
     """Move what arrived on `requests` into `pending`, waiting up to `wait_s` for a first message;
     returns whether STOP came (now or before)."""
-    if wait_s > 0 and not stopping:
-        try:
-            job = requests.get(timeout=wait_s)
-        except queue.Empty:
-            return stopping
-        if job is STOP:
-            stopping = True
-        else:
-            pending.append(job)
+    wait = wait_s if wait_s > 0 and not stopping else None
     while True:
         try:
-            job = requests.get_nowait()
+            job = requests.get(timeout=wait) if wait is not None else requests.get_nowait()
         except queue.Empty:
             return stopping
+        wait = None  # after the first message, take only what is already there
         if job is STOP:
             stopping = True
         else:
