@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--isl-ratio", type=float, default=0.5, help="shortest / longest prompt, uniform mix (default 0.5)")
     p.add_argument("--isl-cv", type=float, default=0.3,
                    help="normal mix: standard deviation / mean (its mean is the uniform mix's); 0 skips the mix")
-    p.add_argument("--rates", default="2,4,6,8,10,12", help="offered requests/s, comma-separated")
+    p.add_argument("--rates", default="2,4,6,8,10,12,14,16,18,20",
+                   help="offered requests/s, comma-separated (default 2..20: past saturation of both modes on 2 cores)")
     p.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per rate (default 12)")
     p.add_argument("--slo", type=float, default=1.0, help="p99 TTFT bound in seconds for max load at SLO (default 1)")
     p.add_argument("--timeout", type=float, default=120.0, help="longest wait for one answer, s")

@@ -110,9 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "baseline, ranks stepping together (all-to-alls, idle steps)")
     serve.add_argument("--step-timeout", type=float, default=30.0,
                        help="dep: seconds a rank waits for its peers at one collective before failing the step")
-    serve.add_argument("--batch-order", choices=("fifo", "shortest"), default="shortest",
-                       help="which queued prompts a forward takes: shortest first within --fairness (default; "
-                            "it won `dwdp bench serve`), or arrival order")
+    serve.add_argument("--batch-order", choices=("fifo", "shortest"), default="fifo",
+                       help="which queued prompts a forward takes: arrival order (default: it won `dwdp bench serve` "
+                            "on a quiet machine), or shortest first within --fairness")
     serve.add_argument("--fairness", type=float, default=0.5,
                        help="shortest: a prompt queued this many seconds goes first whatever its length (default 0.5)")
     bench = sub.add_parser("bench", help="benchmarks")
