@@ -151,8 +151,9 @@ def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: i
     print(f"dwdp demo: {ranks} ranks, tiny {family} model (hidden {cfg['hidden']}, {cfg['num_experts']} experts per "
           f"MoE layer, {cfg['num_layers']} layers, top-{cfg['top_k']}, {experts} experts, {dense} dense), {where}, "
           f"seed {seed}")
-    if device == "cuda" and sharing_line(ranks, gpus):
-        print(sharing_line(ranks, gpus))
+    shared = sharing_line(ranks, gpus) if device == "cuda" else None
+    if shared:
+        print(shared)
     start = time.perf_counter()
     load_before = load_average_1min()
     rows = launch_local(_demo_rank, ranks, (opts,), timeout_s=timeout_s)

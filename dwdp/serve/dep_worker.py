@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .config import ServeConfig
 from .protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
 from .scheduling import take_forward
-from .worker import answer_forward, model_info, pad_left
+from .worker import answer_forward, model_info, pad_left, worker_info
 
 log = logging.getLogger("dwdp")
 
@@ -252,11 +252,7 @@ def dep_worker_main(rank: int, world_size: int, master_port: int, config: ServeC
     try:
         started = time.monotonic()
         model, step_group, pids = build_dep_model(config, rank)
-        embeddings = model.model.get_input_embeddings().weight
-        worker = {"device": str(embeddings.device), "backend": "dep", "experts_kernel": "torch",
-                  "dtype": str(embeddings.dtype).removeprefix("torch."),
-                  "local_expert_bytes": model.memory.local_expert_bytes, "prefetch_buffer_bytes": 0,
-                  "warmup_s": 0.0, "ready_s": time.monotonic() - started}
+        worker = worker_info(model, time.monotonic() - started, "dep", "torch")
         results.put(WorkerReady(rank, os.getpid(), {**model_info(model), "mode": "dep"}, worker))
         reporter = DEPHealthReporter(rank, results, config.health_interval_s).start()
         serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids)

@@ -77,10 +77,10 @@ def model_info(model) -> dict:
             "full_expert_bytes": model.memory.full_expert_bytes}
 
 
-def worker_info(model, ready_s: float) -> dict:
-    """What this worker runs on and what it holds there, for /health and /metrics."""
+def worker_info(model, ready_s: float, backend: str, experts_kernel: str) -> dict:
+    """What this worker (a DWDPModel or DEPModel) runs on and what it holds there, for /health and /metrics."""
     device = model.model.get_input_embeddings().weight.device
-    info = {"device": str(device), "backend": model.backend, "experts_kernel": model.experts_kernel,
+    info = {"device": str(device), "backend": backend, "experts_kernel": experts_kernel,
             "dtype": str(model.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
             "local_expert_bytes": model.memory.local_expert_bytes,
             "prefetch_buffer_bytes": model.memory.prefetch_buffer_bytes,
@@ -250,7 +250,8 @@ def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfi
     started = time.monotonic()
     try:
         model = build_worker_model(config, rank)
-        results.put(WorkerReady(rank, os.getpid(), model_info(model), worker_info(model, time.monotonic() - started)))
+        ready = worker_info(model, time.monotonic() - started, model.backend, model.experts_kernel)
+        results.put(WorkerReady(rank, os.getpid(), model_info(model), ready))
         reporter = HealthReporter(model, rank, results, config.health_interval_s).start()
         serve_queue(model, rank, config, kv_dir, requests, results)
     except BaseException:
