@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from dwdp.tiny import build_tiny_model
-from dwdp.timing import device_tag
+from dwdp.models.tiny import build_tiny_model
+from dwdp.observe.timing import device_tag
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -1,5 +1,5 @@
 """Fit the cost model's six calibration constants to the DEP4 column of the DWDP paper's Table 1 and
-write them, each with its source, to dwdp/data/calibration.json.
+write them, each with its source, to dwdp/predict/data/calibration.json.
 
 Table 1: DeepSeek-R1 NVFP4 on GB200 NVL72, group 4, ISL 8K with prompt lengths uniform in
 [0.8 ISL, ISL], max-num-tokens 32K, context only; per iteration (one forward of every layer).
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dwdp import costmodel as cm
-from dwdp.simulate import SimConfig, simulate_dep, workload
+from dwdp.predict import costmodel as cm
+from dwdp.predict.simulate import SimConfig, simulate_dep, workload
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

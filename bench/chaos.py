@@ -31,10 +31,10 @@ from pathlib import Path
 import httpx
 import torch
 
-from dwdp.group import free_port
+from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
-from dwdp.timing import load_average_1min, machine
+from dwdp.observe.timing import load_average_1min, machine
 from serve_load import arrivals, command_line, render_table, run_rate
 
 RESULTS = Path(__file__).resolve().parent / "results"

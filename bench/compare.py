@@ -3,12 +3,12 @@
     PYTHONPATH=. python bench/compare.py            # 2 ranks, CV 0, 0.1, 0.2, 0.4
     PYTHONPATH=. python bench/compare.py --quick    # smoke test
 
-The logic lives in dwdp/bench_compare.py so the installed package has it too.
+The logic lives in dwdp/benchmarks/compare.py so the installed package has it too.
 """
 import argparse
 import sys
 
-from dwdp.bench_compare import add_arguments, run_compare
+from dwdp.benchmarks.compare import add_arguments, run_compare
 
 if __name__ == "__main__":
     formatter = argparse.RawDescriptionHelpFormatter

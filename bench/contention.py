@@ -18,8 +18,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from dwdp import costmodel as cm  # noqa: E402
-from dwdp.contention import PullConfig, contention_table, simulate_pulls  # noqa: E402
+from dwdp.predict import costmodel as cm  # noqa: E402
+from dwdp.predict.contention import PullConfig, contention_table, simulate_pulls  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MAX_C = 5  # columns shown; the JSON keeps every degree

@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from dwdp.placement import build_placement
-from dwdp.plan import SegmentLayout, build_copy_plan, slot_layout
-from dwdp.timing import device_tag, load_average_1min, machine
-from dwdp.transport import HostTransport, connect_in_process
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import SegmentLayout, build_copy_plan, slot_layout
+from dwdp.observe.timing import device_tag, load_average_1min, machine
+from dwdp.runtime.transport import HostTransport, connect_in_process
 
 NUM_EXPERTS = 16
 

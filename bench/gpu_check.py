@@ -84,13 +84,13 @@ def main() -> int:
                         help=f"which sections to run, e.g. 'ab' (default {''.join(SECTIONS)})")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/gpu_check_<gpu>.json)")
     args = parser.parse_args()
-    from dwdp.transport import cuda_api
+    from dwdp.runtime.transport import cuda_api
 
     info = cuda_api.probe()
     if not info.usable or not torch.cuda.is_available():
         print(f"gpu_check: no CUDA GPU on this machine ({info.error or 'torch has no CUDA'}); nothing was checked")
         return 2
-    from dwdp.timing import device_tag
+    from dwdp.observe.timing import device_tag
 
     found = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)

@@ -21,7 +21,7 @@ On CUDA the "kernel" rows run the Triton kernel; on CPU they run the plain-PyTor
 the CPU shapes are scaled down so the run takes well under a minute.
 
 Run: python bench/grouped_gemm.py [--device cuda] [--dtype bf16] [--tokens 4096] [--buffers 4]
-Writes bench/results/grouped_gemm_<tag>.json (tag from dwdp.timing.device_tag) and prints a
+Writes bench/results/grouped_gemm_<tag>.json (tag from dwdp.observe.timing.device_tag) and prints a
 table last. Ratios are time(variant) / time(baseline of the section): > 1 means slower.
 """
 from __future__ import annotations
@@ -38,21 +38,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dwdp.kernels import (
-    device_info,
-    expert_weight_table,
-    grouped_gemm,
-    grouped_gemm_reference,
-    launch_config,
-    local_first_split,
-    moe_experts,
-    moe_launch_configs,
-    moe_experts_reference,
-    sort_by_expert,
-    swiglu_reference,
-)
+from dwdp.kernels import device_info, expert_weight_table, grouped_gemm, grouped_gemm_reference, launch_config, local_first_split, moe_experts, moe_launch_configs, moe_experts_reference, sort_by_expert, swiglu_reference
 from dwdp.kernels.grouped_gemm import kernel_problem
-from dwdp.timing import device_tag, load_average_1min, machine, time_fn
+from dwdp.observe.timing import device_tag, load_average_1min, machine, time_fn
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.loading import rss_bytes, write_shards
-from dwdp.model import DWDPModel
-from dwdp.quantization import ExpertsQuantization
-from dwdp.timing import load_average_1min, machine
-from dwdp.tiny_quantized import save_quantized_checkpoint
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.models.loading import rss_bytes, write_shards
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.quantization import ExpertsQuantization
+from dwdp.observe.timing import load_average_1min, machine
+from dwdp.models.tiny_quantized import save_quantized_checkpoint
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 1 << 20

@@ -4,12 +4,12 @@
     PYTHONPATH=. python bench/regimes.py                               # hiddens 64 and 512, 8..2048 tokens
     PYTHONPATH=. python bench/regimes.py --hiddens 64 --tokens 8 32    # a quick look
 
-The logic lives in dwdp/bench_regimes.py so the installed package has it too.
+The logic lives in dwdp/benchmarks/regimes.py so the installed package has it too.
 """
 import argparse
 import sys
 
-from dwdp.bench_regimes import add_arguments, run_regimes
+from dwdp.benchmarks.regimes import add_arguments, run_regimes
 
 if __name__ == "__main__":
     formatter = argparse.RawDescriptionHelpFormatter

@@ -2,8 +2,8 @@
 (an analytic prediction computed on the CPU, no imbalance and no contention: bench/simulate.py adds both).
 
 Every operator costs max(FLOPs / (peak x efficiency), bytes / (HBM x memory efficiency)) with the
-efficiencies of dwdp/data/calibration.json (--ideal: datasheet peaks); DWDP's forward walks the copy
-timeline with the copies' interference (dwdp.costmodel.timeline). Prints one table per hardware preset
+efficiencies of dwdp/predict/data/calibration.json (--ideal: datasheet peaks); DWDP's forward walks the copy
+timeline with the copies' interference (dwdp.predict.costmodel.timeline). Prints one table per hardware preset
 and a crossover summary last; writes bench/results/roofline_<model>_<hw>.json and .png. Deterministic.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dwdp import costmodel as cm  # noqa: E402
+from dwdp.predict import costmodel as cm  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ISLS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)

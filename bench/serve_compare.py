@@ -4,12 +4,12 @@
     PYTHONPATH=. python bench/serve_compare.py                          # the README's sweep
     PYTHONPATH=. python bench/serve_compare.py --rates 2,4 --duration 5 --isl-cv 0   # a quick look
 
-The logic lives in dwdp/bench_serve.py so the installed package has it too.
+The logic lives in dwdp/benchmarks/serving.py so the installed package has it too.
 """
 import argparse
 import sys
 
-from dwdp.bench_serve import add_arguments, run_bench_serve
+from dwdp.benchmarks.serving import add_arguments, run_bench_serve
 
 if __name__ == "__main__":
     formatter = argparse.RawDescriptionHelpFormatter

@@ -2,8 +2,8 @@
 the workload generator's imbalanced per-client streams, bounded in requests and in time.
 
 Clients stand in for the workload generator's ranks: client r's share of arrivals is f_r / G
-(factors with coefficient of variation --cv, dwdp.workload.rank_factors), and its prompt lengths
-are uniform in [ceil(isl_ratio * isl), isl] as in dwdp.workload. The superposition is Poisson at
+(factors with coefficient of variation --cv, dwdp.predict.workload.rank_factors), and its prompt lengths
+are uniform in [ceil(isl_ratio * isl), isl] as in dwdp.predict.workload. The superposition is Poisson at
 the offered rate. Each row reports what the client measured (TTFT = request sent -> first token
 answered) and how the router spread prompt tokens over the ranks.
 
@@ -26,11 +26,11 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from dwdp.bench_serve import render_table
-from dwdp.group import free_port
+from dwdp.benchmarks.serving import render_table
+from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
-from dwdp.timing import load_average_1min
-from dwdp.workload import WorkloadConfig, coefficient_of_variation, make_workload
+from dwdp.observe.timing import load_average_1min
+from dwdp.predict.workload import WorkloadConfig, coefficient_of_variation, make_workload
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VOCAB = 512  # the tiny preset's; ids are drawn in [3, VOCAB)

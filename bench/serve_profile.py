@@ -20,12 +20,12 @@ from pathlib import Path
 
 import torch
 
-from dwdp.baselines import DEPModel, ReplicatedModel
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
+from dwdp.runtime.baselines import DEPModel, ReplicatedModel
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
 from dwdp.serve.presets import preset_model
-from dwdp.timing import load_average_1min, machine
+from dwdp.observe.timing import load_average_1min, machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -2,8 +2,8 @@
 computed on the CPU; nothing is measured here).
 
 For every combination of --group-size, --isl, --isl-ratio (or --isl-std), --mnts and --cvs, each rank
-packs drawn prompts into forwards of at most max-num-tokens (dwdp.packing) and both schemes run the
-same forwards (dwdp.simulate): DEP waits at every MoE layer for the slowest rank, DWDP runs each
+packs drawn prompts into forwards of at most max-num-tokens (dwdp.predict.packing) and both schemes run the
+same forwards (dwdp.predict.simulate): DEP waits at every MoE layer for the slowest rank, DWDP runs each
 rank alone with its copies' interference. --cvs overrides the per-rank spread packing gives.
 --breakdown prints, per setting, the per-forward breakdown in the DWDP paper's categories for DEP
 and three DWDP variants: the paper's baseline (merge copy, one copy per expert), without the merge
@@ -26,10 +26,10 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from dwdp import costmodel as cm  # noqa: E402
-from dwdp.packing import RequestMix  # noqa: E402
-from dwdp.serve_sim import analytic_service, fitted_service, simulate_rates  # noqa: E402
-from dwdp.simulate import ROWS, SimConfig, simulate  # noqa: E402
+from dwdp.predict import costmodel as cm  # noqa: E402
+from dwdp.predict.packing import RequestMix  # noqa: E402
+from dwdp.predict.serve_sim import analytic_service, fitted_service, simulate_rates  # noqa: E402
+from dwdp.predict.simulate import ROWS, SimConfig, simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 VARIANTS = (("DWDP merge+mono", "monolithic", True), ("DWDP mono", "monolithic", False), ("DWDP sliced", "tdm", False))
@@ -42,10 +42,10 @@ def print_constants(hw_name: str) -> dict:
     """Every constant the prediction uses beyond model shapes and peaks, with its source."""
     cal, sources = cm.load_calibration(), cm.calibration_sources()
     hw_sources = cm.hardware_sources(hw_name)
-    print("Calibration constants (dwdp/data/calibration.json):")
+    print("Calibration constants (dwdp/predict/data/calibration.json):")
     for name, source in sources.items():
         print(f"  {name:>22} = {getattr(cal, name):<8.4g} {source}")
-    print(f"Hardware figures for {hw_name} (dwdp/data/hardware.json):")
+    print(f"Hardware figures for {hw_name} (dwdp/predict/data/hardware.json):")
     data = cm.data.load_json("hardware.json")[hw_name]
     out = {"calibration": {k: {"value": getattr(cal, k), "source": s} for k, s in sources.items()}, "hardware": {}}
     for name in INTERFERENCE_FIELDS:
@@ -93,7 +93,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ttft-rates", type=float, nargs="+", default=None,
                    help="also predict TTFT p50/p90/p99 of both modes under Poisson arrivals at these requests/s "
-                        "(whole group), for the first setting (dwdp.serve_sim)")
+                        "(whole group), for the first setting (dwdp.predict.serve_sim)")
     p.add_argument("--ttft-duration", type=float, default=120.0, help="seconds of arrivals per TTFT rate")
     p.add_argument("--ttft-from", metavar="JSON",
                    help="predict TTFT from a `dwdp bench serve` run instead: its rates, mixes, ranks and "
@@ -167,7 +167,7 @@ def main() -> None:
               f"Poisson arrivals for {args.ttft_duration:g} s per rate, router and batching as `dwdp serve`")
         print(ttft_table(predicted))
         path = RESULTS / f"{stem}_ttft.json"
-        path.write_text(json.dumps({"what": "analytic prediction (dwdp.serve_sim over the cost model), nothing "
+        path.write_text(json.dumps({"what": "analytic prediction (dwdp.predict.serve_sim over the cost model), nothing "
                                     "measured", "service": service.source, "mix": mix.describe(), "group_size": g,
                                     "max_num_tokens": mnt, "rates": args.ttft_rates, "predicted": predicted},
                                    indent=1) + "\n")
@@ -201,7 +201,7 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
         predicted = simulate_rates(mix, meta["rates"], meta["duration_s"], meta["ranks"], meta["max_num_tokens"],
                                    service, seed)
         measured = {mode: by_variant[mode]["rows"] for mode in ("dwdp", "dep")}
-        print(f"\n{mix_name}: TTFT predicted by dwdp.serve_sim ({service.source}; overheads "
+        print(f"\n{mix_name}: TTFT predicted by dwdp.predict.serve_sim ({service.source}; overheads "
               f"{ {k: round(v, 4) for k, v in service.overhead_s.items()} } s) beside the measurement of {path}")
         print(ttft_table(predicted, measured))
         out[mix_name] = {"service": service.source, "overhead_s": service.overhead_s, "predicted": predicted,
@@ -209,7 +209,7 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
                                                                   "ttft_p99_s", "tokens_per_s_per_rank")}
                                              for r in rows] for mode, rows in measured.items()}}
     target = RESULTS / "simulate_ttft_cpu.json"
-    target.write_text(json.dumps({"what": "TTFT predicted by a queueing simulation (dwdp.serve_sim) with forward "
+    target.write_text(json.dumps({"what": "TTFT predicted by a queueing simulation (dwdp.predict.serve_sim) with forward "
                                   "times fitted to the measured run, beside that run's measurement",
                                   "measured_run": str(path), "command": meta["command"], "results": out},
                                  indent=1) + "\n")

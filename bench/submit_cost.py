@@ -32,11 +32,11 @@ from pathlib import Path
 
 import torch
 
-from dwdp.placement import build_placement
-from dwdp.plan import SegmentLayout, build_copy_plan, slot_layout
-from dwdp.timing import device_tag, load_average_1min, machine
-from dwdp.transport import cuda_api
-from dwdp.transport.cuda import CudaTransport
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import SegmentLayout, build_copy_plan, slot_layout
+from dwdp.observe.timing import device_tag, load_average_1min, machine
+from dwdp.runtime.transport import cuda_api
+from dwdp.runtime.transport.cuda import CudaTransport
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FAKE_BASE = 0x7F00_0000_0000  # addresses the no-device calls never touch

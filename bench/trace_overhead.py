@@ -17,10 +17,11 @@ from pathlib import Path
 import torch
 
 from dwdp import DWDPConfig, DWDPModel, init_group
-from dwdp.demo import DEMO_MODEL, rank_prompts
-from dwdp.group import launch_local
-from dwdp.tiny import build_tiny_model
-from dwdp.timing import device_tag, load_average_1min, machine
+from dwdp.demo import rank_prompts
+from dwdp.models.demo_model import DEMO_MODEL
+from dwdp.runtime.group import launch_local
+from dwdp.models.tiny import build_tiny_model
+from dwdp.observe.timing import device_tag, load_average_1min, machine
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

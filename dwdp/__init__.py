@@ -1,14 +1,14 @@
 """dwdp: Distributed Weight Data Parallelism for serving Mixture-of-Experts models."""
 import logging
 
-from .versions import check_versions
+from dwdp.versions import check_versions
 
 check_versions()  # one clear line for a too-old torch, transformers or triton, before anything uses them
 
-from . import envs  # noqa: E402
-from .config import DWDPConfig  # noqa: E402
-from .group import DWDPGroup, init_group  # noqa: E402
-from .model import DWDPModel  # noqa: E402
+from dwdp import envs  # noqa: E402
+from dwdp.runtime.config import DWDPConfig  # noqa: E402
+from dwdp.runtime.group import DWDPGroup, init_group  # noqa: E402
+from dwdp.runtime.model import DWDPModel  # noqa: E402
 
 logging.getLogger("dwdp").setLevel(envs.log_level())
 

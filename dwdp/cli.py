@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "write this device's kernel configuration file")
     shape = kt.add_mutually_exclusive_group(required=True)
     shape.add_argument("--model", metavar="PATH", help="local model directory (its config.json)")
-    shape.add_argument("--preset", help="a model preset of the cost model (dwdp/data/models.json)")
+    shape.add_argument("--preset", help="a model preset of the cost model (dwdp/predict/data/models.json)")
     shape.add_argument("--shape", metavar="H,I,E,K", help="hidden, expert intermediate, experts, experts per token")
     kt.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16",
                     help="bf16 weights, or fp8 with 128x128 block scales and fp8 x fp8 dots (default bf16)")
@@ -117,14 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="shortest: a prompt queued this many seconds goes first whatever its length (default 0.5)")
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
-    from .bench_compare import add_arguments as add_compare_arguments
+    from dwdp.benchmarks.compare import add_arguments as add_compare_arguments
 
     add_compare_arguments(bench_sub.add_parser("compare", help="DWDP vs DEP vs replicated on one imbalanced workload"))
-    from .bench_regimes import add_arguments as add_regimes_arguments
+    from dwdp.benchmarks.regimes import add_arguments as add_regimes_arguments
 
     add_regimes_arguments(bench_sub.add_parser("regimes", help="DWDP against replicated and copy-then-compute, "
                                                "from small forwards to large ones, two expert sizes"))
-    from .bench_serve import add_arguments as add_serve_arguments
+    from dwdp.benchmarks.serving import add_arguments as add_serve_arguments
 
     add_serve_arguments(bench_sub.add_parser("serve", help="DWDP serving against DEP serving: TTFT and throughput "
                                              "under open-loop Poisson load, through the openai client"))
@@ -144,20 +144,20 @@ def _int_list(flag: str, text: str, low: int) -> list[int]:
 def _tune(args) -> int:
     import json
 
-    from .tune import TUNE_DEFAULTS, resolve_tune_backend, run_tune
+    from dwdp.tune.recommend import TUNE_DEFAULTS, resolve_tune_backend, run_tune
 
     if args.model:
         from transformers import AutoConfig
 
         model_config = AutoConfig.from_pretrained(args.model, local_files_only=True)
     else:
-        from .demo import DEMO_MODEL
-        from .tiny import tiny_config
+        from dwdp.models.demo_model import DEMO_MODEL
+        from dwdp.models.tiny import tiny_config
 
         model_config = tiny_config(args.family or "deepseek_v3", **({} if args.family else DEMO_MODEL))
     if args.dtype:
-        from .demo import FP8_BLOCK
-        from .quantization import ExpertsQuantization
+        from dwdp.models.demo_model import FP8_BLOCK
+        from dwdp.models.quantization import ExpertsQuantization
 
         quant = ExpertsQuantization("fp8", FP8_BLOCK) if args.dtype == "fp8" else ExpertsQuantization(args.dtype)
         model_config.quantization_config = quant.config_dict()
@@ -177,7 +177,7 @@ def _tune(args) -> int:
 def _tune_kernel(args) -> int:
     import torch
 
-    from .kernel_tune import model_gemms, run_tune_kernel
+    from dwdp.tune.kernel import model_gemms, run_tune_kernel
 
     if args.shape:
         try:
@@ -186,7 +186,7 @@ def _tune_kernel(args) -> int:
             raise SystemExit(f"dwdp tune-kernel: --shape={args.shape!r} must be four integers H,I,E,K") from None
         name = f"H={hidden} I={inter} E={experts} k={top_k}"
     else:
-        from .costmodel.models import ModelSpec, preset_config
+        from dwdp.predict.costmodel.models import ModelSpec, preset_config
 
         if args.model:
             from transformers import AutoConfig
@@ -219,15 +219,15 @@ def _tune_kernel(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from dwdp.demo import run_demo
 
-        from .families import family
+        from dwdp.models.families import family
 
         try:
             family(args.family)
         except ValueError as exc:
             raise SystemExit(f"dwdp demo: --{exc}") from None
-        from .devices import NoGpu
+        from dwdp.runtime.devices import NoGpu
 
         try:
             return run_demo(args.ranks, args.prompts, args.max_len, args.slice_bytes, args.repeats, args.seed,
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 2
     if args.command == "families":
-        from .coverage import README_BEGIN, README_END, all_families, markdown
+        from dwdp.runtime.coverage import README_BEGIN, README_END, all_families, markdown
 
         rows = all_families()
         if args.markdown:
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tune-kernel":
         return _tune_kernel(args)
     if args.command == "serve":
-        from .serve import ServeConfig, run_server
+        from dwdp.serve import ServeConfig, run_server
 
         try:
             config = ServeConfig(
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         if config.device == "cuda":
-            from .devices import NoGpu, require_gpu
+            from dwdp.runtime.devices import NoGpu, require_gpu
 
             try:
                 require_gpu("dwdp serve")
@@ -275,15 +275,15 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
         return run_server(config)
     if args.command == "bench" and args.bench == "compare":
-        from .bench_compare import run_compare
+        from dwdp.benchmarks.compare import run_compare
 
         return run_compare(args)
     if args.command == "bench" and args.bench == "serve":
-        from .bench_serve import run_bench_serve
+        from dwdp.benchmarks.serving import run_bench_serve
 
         return run_bench_serve(args)
     if args.command == "bench" and args.bench == "regimes":
-        from .bench_regimes import run_regimes
+        from dwdp.benchmarks.regimes import run_regimes
 
         return run_regimes(args)
     raise AssertionError(args.command)

@@ -9,16 +9,14 @@ from pathlib import Path
 
 import torch
 
-from .config import DWDPConfig
-from .devices import DTYPES as TORCH_DTYPES, bf16_logits_bound, check_device, rank_device, require_gpu, sharing_line, transformers_spread
-from .group import init_group, launch_local
-from .timing import load_average_1min, machine
-from .tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.devices import DTYPES as TORCH_DTYPES, bf16_logits_bound, check_device, rank_device, require_gpu, sharing_line, transformers_spread
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.observe.timing import load_average_1min, machine
+from dwdp.models.demo_model import DEMO_MODEL, demo_models
 
-DEMO_MODEL = dict(hidden=256, intermediate=256, num_experts=16, top_k=4, num_layers=5, vocab=512)
 ATOL, RTOL = 1e-4, 1e-4
 DTYPES = ("fp32", "bf16", "fp8", "mxfp4")  # of the experts; dense weights fp32 on CPU, bf16 on CUDA
-FP8_BLOCK = (128, 128)
 
 
 def rank_prompts(rank: int, seed: int, num_prompts: int, max_len: int, vocab: int):
@@ -36,22 +34,6 @@ def rank_prompts(rank: int, seed: int, num_prompts: int, max_len: int, vocab: in
         mask[i, t_max - n:] = 1
     return ids, mask, int(lengths.sum())
 
-
-def demo_models(family: str, dtype: str, seed: int, model_dtype: torch.dtype = torch.float32, **shape):
-    """(model to wrap, unwrapped reference) of the demo: the same model twice for unquantized experts;
-    for "fp8" / "mxfp4" its experts quantized (fp8: 128 x 128 block scales, DeepSeek-V3's) next to the
-    model holding the dequantized values of those quantized weights (what the unwrapped model computes
-    on them). model_dtype: the dense weights' dtype (and the experts' when unquantized).
-    shape: tiny model sizes (default DEMO_MODEL)."""
-    shape = shape or DEMO_MODEL
-    if dtype in ("fp32", "bf16"):
-        model = build_tiny_model(family, seed=seed, dtype=model_dtype, **shape)
-        return model, model
-    from .quantization import ExpertsQuantization
-    from .tiny_quantized import build_tiny_quantized
-
-    quant = ExpertsQuantization("fp8", FP8_BLOCK) if dtype == "fp8" else ExpertsQuantization(dtype)
-    return build_tiny_quantized(family, quant, seed=seed, dtype=model_dtype, **shape)
 
 
 def _demo_rank(rank: int, opts: dict) -> dict:
@@ -73,7 +55,7 @@ def _demo_rank(rank: int, opts: dict) -> dict:
         # bf16 on a GPU: two correct paths of transformers disagree too, and that spread sets the bound.
         spread = transformers_spread(unwrapped, logits_of, reference) if on_gpu else 0.0
     config = DWDPConfig(slice_bytes=opts["slice_bytes"], backend="cuda" if on_gpu else "host")
-    from .model import DWDPModel
+    from dwdp.runtime.model import DWDPModel
 
     with DWDPModel(model, config, init_group(), trace=opts["trace"]) as wrapped, torch.no_grad():
         warmup_s = wrapped.warmup()  # kernel compiles and first-call costs, before anything is timed
@@ -130,7 +112,7 @@ def run_demo(ranks: int = 4, prompts: int = 3, max_len: int = 64, slice_bytes: i
 
     trace: a directory that receives one trace_rank{r}.json per rank.
     json_path: also write the per-rank figures, the machine and its load average there.
-    family: the transformers MoE family of the tiny model (dwdp.families).
+    family: the transformers MoE family of the tiny model (dwdp.models.families).
     dtype: the experts' dtype, one of DTYPES (default fp32 on CPU, bf16 on CUDA; fp8: 128 x 128 block
         scales; the unwrapped reference runs the dequantized values of the same quantized weights).
     device: "cpu" (host backend) or "cuda" (rank r on cuda:(r % GPUs), cuda backend, bf16 dense weights);

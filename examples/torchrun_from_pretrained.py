@@ -15,7 +15,7 @@ import os
 import torch
 
 from dwdp import DWDPConfig, DWDPModel
-from dwdp.tiny import FAMILIES, build_tiny_model
+from dwdp.models.tiny import FAMILIES, build_tiny_model
 
 # Experts dominate, as in real MoE models: 4 MoE layers of 32 experts, 192 MiB of experts in fp32.
 TINY = dict(hidden=256, intermediate=512, num_experts=32, top_k=2, num_layers=4, vocab=256)
@@ -36,8 +36,8 @@ def make_tiny(directory: str, family: str, dtype: str) -> None:
         model.save_pretrained(directory, max_shard_size="50MB")  # several shards + model.safetensors.index.json
     else:
         # Quantized: values + block scales and the quantization_config, as DeepSeek-V3 (fp8) or gpt-oss (MXFP4) ship.
-        from dwdp.quantization import ExpertsQuantization
-        from dwdp.tiny_quantized import save_quantized_checkpoint
+        from dwdp.models.quantization import ExpertsQuantization
+        from dwdp.models.tiny_quantized import save_quantized_checkpoint
 
         quant = ExpertsQuantization("fp8", (128, 128)) if dtype == "fp8" else ExpertsQuantization("mxfp4")
         save_quantized_checkpoint(directory, family, quant, seed=0, num_shards=4, **TINY)

@@ -8,7 +8,7 @@ import os
 import torch
 
 from dwdp import DWDPConfig, DWDPModel
-from dwdp.tiny import FAMILIES, build_tiny_model
+from dwdp.models.tiny import FAMILIES, build_tiny_model
 
 
 def main() -> int:

@@ -3,8 +3,8 @@
 The Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); importing this
 package needs neither, and the references run anywhere.
 """
-from .block_scales import BlockQuant, dequantize, quantize_fp8, quantize_mxfp4
-from .grouped_gemm import (
+from dwdp.kernels.block_scales import BlockQuant, dequantize, quantize_fp8, quantize_mxfp4
+from dwdp.kernels.grouped_gemm import (
     ACTIVATIONS,
     SWIGLU,
     Epilogue,
@@ -16,11 +16,11 @@ from .grouped_gemm import (
     is_interpreter,
     local_first_split,
 )
-from .launch import DeviceInfo, KernelProblem, LaunchConfig, candidate_tiles, device_info, launch_config
-from .moe import moe_experts, moe_launch_configs, sort_by_expert
-from .tuned_configs import KernelConfigError
-from .reference import epilogue_reference, grouped_gemm_reference, moe_experts_reference, swiglu_reference
-from .scaled_weights import ScaleTable, scale_table
+from dwdp.kernels.launch import DeviceInfo, KernelProblem, LaunchConfig, candidate_tiles, device_info, launch_config
+from dwdp.kernels.moe import moe_experts, moe_launch_configs, sort_by_expert
+from dwdp.kernels.tuned_configs import KernelConfigError
+from dwdp.kernels.reference import epilogue_reference, grouped_gemm_reference, moe_experts_reference, swiglu_reference
+from dwdp.kernels.scaled_weights import ScaleTable, scale_table
 
 __all__ = [
     "ACTIVATIONS",

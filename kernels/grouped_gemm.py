@@ -46,15 +46,15 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from .block_scales import BlockQuant
-from .settings import ACTIVATIONS, SWIGLU, Epilogue, GroupedGemmConfig
+from dwdp.kernels.block_scales import BlockQuant
+from dwdp.kernels.settings import ACTIVATIONS, SWIGLU, Epilogue, GroupedGemmConfig
 
 __all__ = ["ACTIVATIONS", "SWIGLU", "Epilogue", "GroupedGemmConfig", "ExpertWeightTable", "expert_weight_table",
            "grouped_gemm", "local_first_split", "default_wave_size", "is_interpreter"]
 
 if TYPE_CHECKING:
-    from .launch import KernelProblem, LaunchConfig
-    from .scaled_weights import ScaleTable
+    from dwdp.kernels.launch import KernelProblem, LaunchConfig
+    from dwdp.kernels.scaled_weights import ScaleTable
 
 try:
     import triton
@@ -584,7 +584,7 @@ def is_interpreter() -> bool:
 
 def default_wave_size(device: torch.device, config: GroupedGemmConfig) -> int:
     """Programs of one wave: SMs x programs_per_sm on CUDA, a small fixed count in the interpreter."""
-    from .launch import device_info
+    from dwdp.kernels.launch import device_info
 
     info = device_info(device)
     return info.num_sms * (1 if info.is_interpreter else config.programs_per_sm)
@@ -671,7 +671,7 @@ def kernel_problem(
     """The KernelProblem of one launch over `table` (kernels/launch.py): A of `a_dtype` (float8_e4m3fn for
     fp8 x fp8 dots), `num_rows` sorted rows spread over the table's experts; quant_out_group > 0 asks for
     an fp8 output with one scale per row and that many columns, rounded to quant_out_round first."""
-    from .launch import KernelProblem
+    from dwdp.kernels.launch import KernelProblem
 
     n, k = table.shape
     return KernelProblem(
@@ -806,8 +806,8 @@ def grouped_gemm(
         bias).
     Returns out [T, N_OUT] in x's dtype; accumulation is fp32.
     """
-    from .block_scales import quantize_rows_fp8
-    from .scaled_weights import check_fp8_activations, scale_table
+    from dwdp.kernels.block_scales import quantize_rows_fp8
+    from dwdp.kernels.scaled_weights import check_fp8_activations, scale_table
 
     _require_triton()
     table = _as_table(weights, "weights")
@@ -859,7 +859,7 @@ def grouped_gemm(
         )
     if fp8_activations:
         check_fp8_activations(scales, bias_table, "weight_scales")
-    from .launch import device_info, launch_config
+    from dwdp.kernels.launch import device_info, launch_config
 
     device = device_info(x_sorted.device)
     launch = launch_config(kernel_problem(

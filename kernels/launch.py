@@ -46,8 +46,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import tuned_configs
-from .settings import ACTIVATIONS, Epilogue, GroupedGemmConfig
+from dwdp.kernels import tuned_configs
+from dwdp.kernels.settings import ACTIVATIONS, Epilogue, GroupedGemmConfig
 
 FP8 = torch.float8_e4m3fn
 _ELEMENT_BYTES = {torch.bfloat16: 2, torch.float16: 2, torch.float32: 4, FP8: 1}
@@ -298,7 +298,7 @@ def candidate_tiles(problem: KernelProblem, device: DeviceInfo) -> list[GroupedG
 
 def tma_blocker(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemmConfig) -> str | None:
     """Why the weights cannot be read through TMA descriptors here, or None when they can."""
-    from ..envs import kernel_tma
+    from dwdp.envs import kernel_tma
 
     try:
         import triton.language as tl

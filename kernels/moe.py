@@ -25,9 +25,9 @@ from typing import Literal
 
 import torch
 
-from .block_scales import BlockQuant
-from .block_scales import quantize_rows_fp8
-from .grouped_gemm import (
+from dwdp.kernels.block_scales import BlockQuant
+from dwdp.kernels.block_scales import quantize_rows_fp8
+from dwdp.kernels.grouped_gemm import (
     SWIGLU,
     Epilogue,
     ExpertWeightTable,
@@ -41,8 +41,8 @@ from .grouped_gemm import (
     _tile_count,
     kernel_problem,
 )
-from .launch import DeviceInfo, LaunchConfig, candidate_rows, device_info, launch_config
-from .scaled_weights import ScaleTable, check_fp8_activations, scale_table
+from dwdp.kernels.launch import DeviceInfo, LaunchConfig, candidate_rows, device_info, launch_config
+from dwdp.kernels.scaled_weights import ScaleTable, check_fp8_activations, scale_table
 
 
 def sort_by_expert(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:

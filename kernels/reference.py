@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from .block_scales import BlockQuant, dequantize, dequantize_rows, quantize_rows_fp8
-from .grouped_gemm import SWIGLU, Epilogue
+from dwdp.kernels.block_scales import BlockQuant, dequantize, dequantize_rows, quantize_rows_fp8
+from dwdp.kernels.grouped_gemm import SWIGLU, Epilogue
 
 
 def grouped_gemm_reference(

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .block_scales import FP8_DTYPE, UE8M0_DTYPE, BlockQuant
-from .grouped_gemm import ExpertWeightTable, expert_weight_table
+from dwdp.kernels.block_scales import FP8_DTYPE, UE8M0_DTYPE, BlockQuant
+from dwdp.kernels.grouped_gemm import ExpertWeightTable, expert_weight_table
 
 
 @dataclass(frozen=True)
@@ -69,8 +69,8 @@ def check_fp8_activations(scales: ScaleTable | None, bias, name: str) -> None:
     """fp8 x fp8 dots need fp8 weights whose block columns a power-of-two K tile divides (one weight
     scale and one activation scale per row / column for a whole tile, kernels.launch.fp8_block_k), and
     no bias (none of the fp8 experts in use has one). ValueError naming `name` otherwise."""
-    from .grouped_gemm import is_interpreter
-    from .launch import fp8_block_k
+    from dwdp.kernels.grouped_gemm import is_interpreter
+    from dwdp.kernels.launch import fp8_block_k
 
     if scales is None:
         raise ValueError(f"fp8_activations needs fp8 weights with block scales; {name} is missing")

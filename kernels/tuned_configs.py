@@ -70,7 +70,7 @@ def _bad(path: Path, what: str) -> KernelConfigError:
 
 def _config_fields(path: Path, where: str, raw) -> dict:
     """Validate one configuration dict (the GroupedGemmConfig fields) and return it."""
-    from .settings import GroupedGemmConfig
+    from dwdp.kernels.settings import GroupedGemmConfig
 
     if not isinstance(raw, dict):
         raise _bad(path, f"{where} must be an object of {TILE_FIELDS}, got {raw!r}")
@@ -154,7 +154,7 @@ def load(path: Path) -> TunedFile:
 
 
 def search_dirs() -> list[Path]:
-    from ..envs import kernel_configs_dir
+    from dwdp.envs import kernel_configs_dir
 
     extra = kernel_configs_dir()
     return ([Path(extra)] if extra else []) + [PACKAGE_DIR]

@@ -24,7 +24,7 @@ INTERPRETER_MODULES = {"test_grouped_gemm.py", "test_moe_kernel.py", "test_fp8_k
 
 
 def _has_cuda_driver() -> bool:
-    from dwdp.transport import cuda_api
+    from dwdp.runtime.transport import cuda_api
 
     return cuda_api.probe().usable
 

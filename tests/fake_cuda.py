@@ -1,4 +1,4 @@
-"""A recording fake of dwdp.transport.cuda_api: a tiny device with streams, events and copies.
+"""A recording fake of dwdp.runtime.transport.cuda_api: a tiny device with streams, events and copies.
 
 Memory is real: pointers are CPU addresses of torch tensors and a copy moves bytes with
 ctypes.memmove, so tests check bytes bit-exactly. Time is the test's: enqueued work runs only
@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dwdp.placement import build_placement
-from dwdp.plan import SegmentLayout, slot_layout
-from dwdp.transport import cuda_api
-from dwdp.transport.cuda import CudaTransport
-from dwdp.transport.cuda_api import BatchCopyError, CudaError
-from dwdp.transport.reference import execute_plan_reference
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import SegmentLayout, slot_layout
+from dwdp.runtime.transport import cuda_api
+from dwdp.runtime.transport.cuda import CudaTransport
+from dwdp.runtime.transport.cuda_api import BatchCopyError, CudaError
+from dwdp.runtime.transport.reference import execute_plan_reference
 
 ILLEGAL_ADDRESS = (700, "cudaErrorIllegalAddress", "an illegal memory access was encountered")
 INVALID_VALUE = (1, "cudaErrorInvalidValue", "invalid argument")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import transformers
 
-from dwdp.coverage import readme_block
-from dwdp.families import moe_families
+from dwdp.runtime.coverage import readme_block
+from dwdp.models.families import moe_families
 from dwdp.versions import FLOORS, _release
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,11 +11,11 @@ import torch
 import transformers
 from torch import nn
 
-from dwdp.adapters import Unsupported, find_experts
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import tiny_config
+from dwdp.models.adapters import Unsupported, find_experts
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import tiny_config
 from logits_check import check_logits
 
 H, I, E, K, VOCAB, LAYERS = 32, 24, 8, 2, 64, 2

@@ -2,12 +2,12 @@
 import pytest
 import torch
 
-from dwdp.adapters import Unsupported
-from dwdp.config import DWDPConfig
-from dwdp.experts import dwdp_experts_forward
-from dwdp.group import DWDPGroup, init_group
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.models.adapters import Unsupported
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.experts import dwdp_experts_forward
+from dwdp.runtime.group import DWDPGroup, init_group
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from dwdp.baselines import DEPModel, ReplicatedModel, expert_split
-from dwdp.baselines.dep import waits_from_calls
-from dwdp.group import DWDPGroup, init_group, launch_local
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.baselines import DEPModel, ReplicatedModel, expert_split
+from dwdp.runtime.baselines.dep import waits_from_calls
+from dwdp.runtime.group import DWDPGroup, init_group, launch_local
+from dwdp.models.tiny import build_tiny_model
 from logits_check import BF16_ATOL, BF16_RTOL, check_logits
 
 FAMILIES = ("mixtral", "deepseek_v3", "qwen2_moe")
@@ -156,7 +156,7 @@ def test_waits_from_calls_charge_the_early_ranks():
 
 def test_dep_function_needs_the_wrapper():
     model = build_tiny_model("mixtral", seed=1)
-    from dwdp.baselines.dep import dep_experts_forward
+    from dwdp.runtime.baselines.dep import dep_experts_forward
 
     experts = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
     with pytest.raises(RuntimeError, match="not wrapped by DEPModel"):

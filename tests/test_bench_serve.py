@@ -9,8 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from dwdp.bench_serve import arrival_plan, compare, max_load_at_slo, parse_variants, summarise
-from dwdp.packing import RequestMix
+from dwdp.benchmarks.serving import compare, max_load_at_slo, parse_variants, summarise
+from dwdp.predict.packing import RequestMix, arrival_plan
 
 
 @pytest.mark.timeout(240)

@@ -7,7 +7,7 @@ import weakref
 import pytest
 import torch
 
-from dwdp.adapters import Unsupported, find_experts
+from dwdp.models.adapters import Unsupported, find_experts
 from dwdp.kernels import grouped_gemm_reference
 from dwdp.kernels import reference as reference_module
 from dwdp.kernels.block_scales import (
@@ -18,12 +18,12 @@ from dwdp.kernels.block_scales import (
     quantize_fp8,
     quantize_mxfp4,
 )
-from dwdp.loading import CheckpointError
-from dwdp.model import DWDPModel
-from dwdp.placement import build_placement
-from dwdp.plan import SegmentLayout, build_copy_plan, slot_layout
-from dwdp.quantization import ExpertsQuantization
-from dwdp.tiny_quantized import build_tiny_quantized, save_quantized_checkpoint
+from dwdp.models.loading import CheckpointError
+from dwdp.runtime.model import DWDPModel
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import SegmentLayout, build_copy_plan, slot_layout
+from dwdp.models.quantization import ExpertsQuantization
+from dwdp.models.tiny_quantized import build_tiny_quantized, save_quantized_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from dwdp import costmodel as cm
-from dwdp.simulate import SimConfig, simulate
+from dwdp.predict import costmodel as cm
+from dwdp.predict.simulate import SimConfig, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 TABLE1 = SimConfig(model="DeepSeek-R1", hardware="GB200-NVL72", group_size=4, weight_dtype="nvfp4", isl=8192,
@@ -72,7 +72,7 @@ def test_calibration_file_is_the_fit_of_table1():
     fitted, stored = calibrate.fit(), cm.load_calibration()
     for name in calibrate.FITS:
         assert math.isclose(getattr(fitted, name), getattr(stored, name), rel_tol=1e-3), \
-            f"{name}: refit {getattr(fitted, name)} vs dwdp/data/calibration.json {getattr(stored, name)}"
+            f"{name}: refit {getattr(fitted, name)} vs dwdp/predict/data/calibration.json {getattr(stored, name)}"
     for name, source in cm.calibration_sources().items():
         assert ("fitted" in source or "chosen" in source) and len(source) > 40, f"{name}: source {source!r}"
 

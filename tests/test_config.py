@@ -1,6 +1,6 @@
 import pytest
 
-from dwdp.config import DWDPConfig
+from dwdp.runtime.config import DWDPConfig
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from dwdp.contention import PullConfig, build_transfers, contention_pmf, contention_table, simulate_pulls
+from dwdp.predict.contention import PullConfig, build_transfers, contention_pmf, contention_table, simulate_pulls
 
 
 def test_table_rows_sum_to_one():

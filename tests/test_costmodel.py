@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dwdp import costmodel as cm
+from dwdp.predict import costmodel as cm
 
 # H = 64, 4 query heads, 2 KV heads, head_dim 16, E = 8 experts, top-2, I = 32, two MoE layers.
 SPEC = cm.ModelSpec(

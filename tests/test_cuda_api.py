@@ -13,9 +13,9 @@ import pytest
 import torch
 from cuda.bindings import runtime as rt
 
-from dwdp.plan import build_copy_plan
-from dwdp.transport import cuda_api
-from dwdp.transport.cuda_api import BatchCopyError, CudaError, NoCudaDriverError
+from dwdp.runtime.plan import build_copy_plan
+from dwdp.runtime.transport import cuda_api
+from dwdp.runtime.transport.cuda_api import BatchCopyError, CudaError, NoCudaDriverError
 from fake_cuda import FakeGroup
 
 pytestmark = pytest.mark.no_cuda_driver  # the no-driver answers of the real bindings

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dwdp import DWDPConfig
-from dwdp.group import default_backend
-from dwdp.transport import make_transport, resolve_backend
-from dwdp.transport.cuda_api import NoCudaDriverError
+from dwdp.runtime.group import default_backend
+from dwdp.runtime.transport import make_transport, resolve_backend
+from dwdp.runtime.transport.cuda_api import NoCudaDriverError
 
 ROOT = Path(__file__).resolve().parent.parent
 

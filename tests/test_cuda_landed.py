@@ -2,7 +2,7 @@
 (never a stream wait or a host wait), on the recording fake device of tests/fake_cuda.py."""
 import torch
 
-from dwdp.plan import arrival_order, build_copy_plan, cut_batches
+from dwdp.runtime.plan import arrival_order, build_copy_plan, cut_batches
 from fake_cuda import FakeGroup as Group
 
 

@@ -13,9 +13,9 @@ import tracemalloc
 import pytest
 import torch
 
-from dwdp.plan import PlanCache, build_copy_plan, cut_batches
-from dwdp.prefetch import Prefetcher
-from dwdp.transport import cuda_api
+from dwdp.runtime.plan import PlanCache, build_copy_plan, cut_batches
+from dwdp.runtime.prefetch import Prefetcher
+from dwdp.runtime.transport import cuda_api
 from fake_cuda import FakeGroup as Group
 
 SMALL_SLICE, LARGE_SLICE_COUNT_SLICE = 600, 70  # 64 and 544 slices for rank 0 of 16 experts over 2 ranks

@@ -10,10 +10,10 @@ import time
 import pytest
 import torch
 
-from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, coalesce, cut_batches
-from dwdp.prefetch import Prefetcher
-from dwdp.transport import PrefetchError, PrefetchTimeout
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import PlanCache, SegmentLayout, build_copy_plan, coalesce, cut_batches
+from dwdp.runtime.prefetch import Prefetcher
+from dwdp.runtime.transport import PrefetchError, PrefetchTimeout
 from fake_cuda import TENSOR_NBYTES, FakeGroup as Group, batch_error
 HOT_PATH_FORBIDDEN = {"event_wait", "event_query", "device_synchronize"}
 
@@ -227,7 +227,7 @@ def test_enqueue_error_fails_the_ticket_naming_layer_slot_and_peer(fail_index):
 def test_failed_copy_index_names_the_peer_of_the_issued_copy_after_coalescing():
     """Three contiguous slices of peer 1 go out as one copy, so the batch's copy 1 is peer 2's slice
     (slice 1 is still peer 1's): the error must name peer 2."""
-    from dwdp.plan import CopyPlan, CopySlice
+    from dwdp.runtime.plan import CopyPlan, CopySlice
 
     group = Group(8, 3, copy_batches=1).open()
     plan = CopyPlan(0, 0, 0, (CopySlice(1, 0, 0, 100, 3), CopySlice(1, 100, 100, 100, 3),
@@ -302,7 +302,7 @@ def test_open_maps_peers_and_never_its_own_handle_and_close_unmaps_each_once():
 
 def test_half_failed_open_names_the_peer_and_closes_what_it_opened():
     group = Group(9, 4)
-    from dwdp.transport.cuda_api import CudaError
+    from dwdp.runtime.transport.cuda_api import CudaError
 
     original = group.apis[0].ipc_open
     count = {"n": 0}
@@ -340,8 +340,8 @@ def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monk
     rendezvous handle's buffer pointers (no IPC handle is exported or opened)."""
     import types
 
-    from dwdp.transport import cuda as cuda_module
-    from dwdp.transport.cuda import CudaTransport
+    from dwdp.runtime.transport import cuda as cuda_module
+    from dwdp.runtime.transport.cuda import CudaTransport
     from fake_cuda import FakeCudaApi, FakeDevice
 
     device, size, nbytes = FakeDevice(), 3, 6000
@@ -363,7 +363,7 @@ def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monk
     assert all("ipc" not in h for h in handles)
     for t in transports:
         t.open(handles)
-    from dwdp.plan import CopyPlan, CopySlice
+    from dwdp.runtime.plan import CopyPlan, CopySlice
 
     plan = CopyPlan(0, 0, 0, (CopySlice(1, 100, 0, 700, 5), CopySlice(2, 4000, 700, 900, 6)))
     slot = torch.zeros(1600, dtype=torch.uint8)
@@ -377,7 +377,7 @@ def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monk
 def test_symmetric_memory_without_torch_support_is_a_clear_error(monkeypatch):
     import sys
 
-    from dwdp.transport.cuda import _symmetric_memory_module
+    from dwdp.runtime.transport.cuda import _symmetric_memory_module
 
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import -> ImportError
     monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)  # an earlier import's attribute
@@ -390,7 +390,7 @@ def test_process_mapping_reads_peers_through_their_own_pointers():
     is read at its own address, bit-exact; a handle from another process is refused by name."""
     import os
 
-    from dwdp.transport.cuda import CudaTransport
+    from dwdp.runtime.transport.cuda import CudaTransport
     from fake_cuda import FakeCudaApi, FakeDevice
 
     device, size, nbytes = FakeDevice(), 3, 6000
@@ -400,7 +400,7 @@ def test_process_mapping_reads_peers_through_their_own_pointers():
     handles = [t.register() for t in transports]
     transports[0].open(handles)
     assert transports[0]._peer_ptrs == [t._segment.data_ptr() for t in transports]
-    from dwdp.plan import CopyPlan, CopySlice
+    from dwdp.runtime.plan import CopyPlan, CopySlice
 
     plan = CopyPlan(0, 0, 0, (CopySlice(1, 100, 0, 700, 5), CopySlice(2, 4000, 700, 900, 6)))
     slot = torch.zeros(1600, dtype=torch.uint8)

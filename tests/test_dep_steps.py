@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from dwdp.group import launch_local
+from dwdp.runtime.group import launch_local
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import read_kv_artifact
 from dwdp.serve.presets import preset_model

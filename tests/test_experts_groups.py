@@ -14,11 +14,11 @@ import dataclasses
 import pytest
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.plan import arrival_order
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.runtime.plan import arrival_order
+from dwdp.models.tiny import build_tiny_model
 from logits_check import check_logits
 
 
@@ -127,7 +127,7 @@ CASES = {  # name: (experts_kernel, fraction of remote experts landed at submit,
 
 
 def _rank(rank: int) -> dict:
-    import dwdp.experts
+    import dwdp.runtime.experts
     import dwdp.kernels.moe
 
     group = init_group()
@@ -140,7 +140,7 @@ def _rank(rank: int) -> dict:
         with DWDPModel(model, DWDPConfig(experts_kernel=kernel), group) as wrapped, torch.no_grad():
             if rank == 0:
                 wrapped.prefetcher.transport = StagedTransport(wrapped.prefetcher.transport, fraction)
-                module, function = (dwdp.experts, "expert_mlp") if kernel == "reference" else (dwdp.kernels.moe,
+                module, function = (dwdp.runtime.experts, "expert_mlp") if kernel == "reference" else (dwdp.kernels.moe,
                                                                                                "_launch")
                 counts, restore = _count_per_layer(wrapped, module, function)
                 try:

@@ -3,15 +3,15 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dwdp.adapters import find_experts
-from dwdp.config import DWDPConfig
-from dwdp.experts_kernel import identify_epilogue
+from dwdp.models.adapters import find_experts
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.experts_kernel import identify_epilogue
 from dwdp.kernels import Epilogue
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.quantization import ExpertsQuantization
-from dwdp.tiny import build_tiny_model
-from dwdp.tiny_quantized import build_tiny_quantized
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.quantization import ExpertsQuantization
+from dwdp.models.tiny import build_tiny_model
+from dwdp.models.tiny_quantized import build_tiny_quantized
 from releases import family_case
 
 MERGE_OPS = ("aten.cat", "aten.stack", "aten._cat", "aten.index_select", "aten.index.Tensor", "aten.clone",
@@ -136,7 +136,7 @@ def test_auto_runs_fp8_experts_with_fp8_dots_never_the_dequantizing_path():
     """On CUDA, "auto" takes the dequantizing fp8 path only if it reaches 0.9x of bf16 (it ran at 0.1x on an
     H100): fp8 experts get fp8 x fp8 dots, or the reference path where their scale blocks cannot take them;
     bf16 experts keep the triton kernel. Decided from the layers alone (no GPU needed)."""
-    from dwdp.experts_kernel import choose_experts_kernel
+    from dwdp.runtime.experts_kernel import choose_experts_kernel
 
     cuda = torch.device("cuda")
     fp8, _ = build_tiny_quantized("deepseek_v3", ExpertsQuantization("fp8", (128, 128)), seed=1)

@@ -15,11 +15,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dwdp.config import DWDPConfig
-from dwdp.failover import ExpertsUnavailable
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.failover import ExpertsUnavailable
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 from logits_check import ATOL, RTOL
 
 VICTIM = 2

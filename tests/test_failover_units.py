@@ -15,14 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dwdp.config import DWDPConfig
-from dwdp.failover import ExpertsUnavailable, Failover
-from dwdp.liveness import LivenessRecord, PeerLiveness, PeerStatus, process_exited
-from dwdp.placement import NO_SOURCE, build_placement, local_experts_for_replicas, surviving_sources
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, slot_layout
-from dwdp.prefetch import Prefetcher
-from dwdp.transport import HostTransport, PrefetchTimeout, Ticket, connect_in_process
-from dwdp.transport.reference import execute_plan_reference
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.failover import ExpertsUnavailable, Failover
+from dwdp.runtime.liveness import LivenessRecord, PeerLiveness, PeerStatus, process_exited
+from dwdp.runtime.placement import NO_SOURCE, build_placement, local_experts_for_replicas, surviving_sources
+from dwdp.runtime.plan import PlanCache, SegmentLayout, build_copy_plan, slot_layout
+from dwdp.runtime.prefetch import Prefetcher
+from dwdp.runtime.transport import HostTransport, PrefetchTimeout, Ticket, connect_in_process
+from dwdp.runtime.transport.reference import execute_plan_reference
 from test_plan import _expert_bytes, _segment
 
 TENSOR_NBYTES = (3000, 1500)

@@ -14,13 +14,13 @@ import pytest
 import torch
 import transformers
 
-from dwdp.adapters import Unsupported, find_experts
-from dwdp.config import DWDPConfig
-from dwdp.coverage import coverage_of, markdown, not_built, readme_block, table_version
-from dwdp.families import moe_families
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.models.adapters import Unsupported, find_experts
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.coverage import coverage_of, markdown, not_built, readme_block, table_version
+from dwdp.models.families import moe_families
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 from logits_check import check_logits
 from releases import PINNED_VERSION, absent_here, pinned_families
 

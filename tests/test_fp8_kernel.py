@@ -14,16 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dwdp.kernels import (  # noqa: E402
-    BlockQuant,
-    Epilogue,
-    GroupedGemmConfig,
-    grouped_gemm,
-    grouped_gemm_reference,
-    moe_experts,
-    moe_experts_reference,
-    quantize_fp8,
-)
+from dwdp.kernels import BlockQuant, Epilogue, GroupedGemmConfig, grouped_gemm, grouped_gemm_reference, moe_experts, moe_experts_reference, quantize_fp8
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.devices import bf16_logits_bound, transformers_spread
-from dwdp.group import DWDPGroup, init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.devices import bf16_logits_bound, transformers_spread
+from dwdp.runtime.group import DWDPGroup, init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -23,7 +23,7 @@ def _triton_families() -> list[str]:
     """Families whose experts run the Triton kernel on CUDA, as the README's table generator finds them."""
     if not torch.cuda.is_available():
         return ["mixtral"]  # collected only; skipped without a GPU
-    from dwdp.coverage import all_families
+    from dwdp.runtime.coverage import all_families
 
     return [r.family for r in all_families() if r.wraps and r.path == "Triton"]
 
@@ -103,7 +103,7 @@ def test_serve_on_cuda_answers_the_openai_client(tmp_path):
     openai = pytest.importorskip("openai")
     import httpx
 
-    from dwdp.group import free_port
+    from dwdp.runtime.group import free_port
     from dwdp.serve.launch import ServerProcess
 
     args = ["--device", "cuda", "--ranks", "2", "--preset", "tiny", "--kv-dir", str(tmp_path)]

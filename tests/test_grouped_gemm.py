@@ -14,15 +14,7 @@ from hypothesis import strategies as st
 
 triton = pytest.importorskip("triton")
 
-from dwdp.kernels import (  # noqa: E402
-    ExpertWeightTable,
-    GroupedGemmConfig,
-    expert_weight_table,
-    grouped_gemm,
-    grouped_gemm_reference,
-    local_first_split,
-    swiglu_reference,
-)
+from dwdp.kernels import ExpertWeightTable, GroupedGemmConfig, expert_weight_table, grouped_gemm, grouped_gemm_reference, local_first_split, swiglu_reference
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from dwdp.placement import build_placement
-from dwdp.plan import CopyPlan, CopySlice, SegmentLayout, arrival_order, build_copy_plan, cut_batches, slot_layout
-from dwdp.transport import HostTransport, connect_in_process
-from dwdp.transport.host import _HostTicket
-from dwdp.transport.reference import execute_plan_reference
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import CopyPlan, CopySlice, SegmentLayout, arrival_order, build_copy_plan, cut_batches, slot_layout
+from dwdp.runtime.transport import HostTransport, connect_in_process
+from dwdp.runtime.transport.host import _HostTicket
+from dwdp.runtime.transport.reference import execute_plan_reference
 
 TENSOR_NBYTES = (3000, 1700)
 NUM_EXPERTS, GROUP_SIZE, NUM_LAYERS = 9, 3, 2

@@ -169,7 +169,7 @@ def test_interpreter_takes_the_pointer_path_unless_tiles_ask_for_tma():
 
 
 def test_build_file_keeps_the_best_and_the_older_entries(tmp_path):
-    from dwdp.kernel_tune import TuneShape, build_file, sweep
+    from dwdp.tune.kernel import TuneShape, build_file, sweep
 
     shapes = [TuneShape("bf16", 64, 32, 8, 4, "a"), TuneShape("bf16", 64, 32, 64, 4, "b")]
     fast, slow, broken = (GroupedGemmConfig(32, 32, 32), GroupedGemmConfig(64, 64, 32), GroupedGemmConfig(16, 16, 16))
@@ -199,7 +199,7 @@ def test_build_file_keeps_the_best_and_the_older_entries(tmp_path):
 def test_tune_kernel_writes_a_file_the_launch_reads(tmp_path):
     """The real sweep on the interpreter (timings meaningless there): both GEMMs of a tiny layer, two
     candidates each; the file it writes loads and names the interpreter."""
-    from dwdp.kernel_tune import model_gemms, run_tune_kernel
+    from dwdp.tune.kernel import model_gemms, run_tune_kernel
 
     shapes = model_gemms(32, 16, 4, 2, [6])
     configs = [GroupedGemmConfig(16, 16, 16, num_warps=1, num_stages=1), GroupedGemmConfig(32, 32, 32, num_stages=1)]

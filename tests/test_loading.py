@@ -12,11 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.loading import CheckpointError, write_shards
-from dwdp.model import DWDPModel
-from dwdp.tiny import FAMILIES, build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.models.loading import CheckpointError, write_shards
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import FAMILIES, build_tiny_model
 
 LAYOUTS = ("stacked", "per_expert")
 ATOL, RTOL = 1e-6, 1e-6          # same weights, same code path: only summation order may differ

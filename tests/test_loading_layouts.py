@@ -9,10 +9,10 @@ DWDPModel (every tensor, and the logits), and must have read exactly the bytes i
 import pytest
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 
 # (family, dtype, expert_biases)
 CASES = [
@@ -105,13 +105,13 @@ def test_adapters_used(results):
 
 
 def test_loading_does_not_import_model():
-    """dwdp.model drives dwdp.loading (DWDPModel.from_pretrained); never the other way round."""
+    """dwdp.runtime.model drives dwdp.models.loading (DWDPModel.from_pretrained); never the other way round."""
     import ast
     from pathlib import Path
 
-    import dwdp.loading
+    import dwdp.models.loading
 
-    tree = ast.parse(Path(dwdp.loading.__file__).read_text())
+    tree = ast.parse(Path(dwdp.models.loading.__file__).read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert not {m for m in imported if m in ("model", "dwdp.model") or m.endswith(".model")}, imported
+    assert not {m for m in imported if m in ("model", "dwdp.runtime.model") or m.endswith(".model")}, imported

@@ -9,10 +9,10 @@ Rank 1 only serves rank 0's pulls from its own (untouched) segment.
 import pytest
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 from logits_check import ATOL, RTOL, check_logits
 
 

@@ -5,10 +5,10 @@ import weakref
 import pytest
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import FAMILIES, build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import FAMILIES, build_tiny_model
 from logits_check import BF16_ATOL, BF16_RTOL, check_logits
 
 

@@ -1,4 +1,4 @@
-"""NVTX ranges: named exactly as dwdp.phases, layer and slot in the attributes, built once; the torch
+"""NVTX ranges: named exactly as dwdp.observe.phases, layer and slot in the attributes, built once; the torch
 fallback without the nvtx package; nothing at all on the CPU."""
 import sys
 import types
@@ -6,9 +6,9 @@ import types
 import pytest
 import torch
 
-from dwdp import phases
-from dwdp.nvtx_ranges import NvtxRanges
-from dwdp.tracing import attach_nvtx_hooks
+from dwdp.observe import phases
+from dwdp.observe.nvtx_ranges import NvtxRanges
+from dwdp.observe.tracing import attach_nvtx_hooks
 
 
 class FakeDomain:
@@ -59,8 +59,8 @@ def test_without_the_nvtx_package_torch_nvtx_gets_the_bare_phase_names(monkeypat
 
 
 def test_model_hooks_push_forward_attention_router_balanced():
-    from dwdp.adapters import find_experts
-    from dwdp.tiny import build_tiny_model
+    from dwdp.models.adapters import find_experts
+    from dwdp.models.tiny import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", num_layers=2)
     layers = find_experts(model)
@@ -80,19 +80,19 @@ def test_model_hooks_push_forward_attention_router_balanced():
 
 def test_cpu_models_make_no_ranges():
     from dwdp import DWDPConfig, DWDPModel
-    from dwdp.group import DWDPGroup
-    from dwdp.tiny import build_tiny_model
+    from dwdp.runtime.group import DWDPGroup
+    from dwdp.models.tiny import build_tiny_model
 
     with DWDPModel(build_tiny_model("mixtral"), DWDPConfig(), DWDPGroup(0, 1)) as wrapped:
         assert wrapped.prefetcher.nvtx is None
 
 
 def test_prefetch_issue_and_wait_ranges_name_layer_and_slot():
-    from dwdp.prefetch import Prefetcher
+    from dwdp.runtime.prefetch import Prefetcher
     from fake_cuda import FakeGroup
 
     group = FakeGroup(8, 3).open()
-    from dwdp.plan import PlanCache
+    from dwdp.runtime.plan import PlanCache
 
     nbytes = group.slot_nbytes(0)
     prefetcher = Prefetcher(group.transports[0], PlanCache(group.placement, 0, group.layout, 1000),

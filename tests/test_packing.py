@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from dwdp import costmodel as cm
-from dwdp.packing import RequestMix, draw_lengths, forward_shapes, pack, with_token_cv
+from dwdp.predict import costmodel as cm
+from dwdp.predict.packing import RequestMix, draw_lengths, forward_shapes, pack, with_token_cv
 
 
 def test_pack_is_greedy_in_arrival_order():

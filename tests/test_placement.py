@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dwdp.placement import build_placement
+from dwdp.runtime.placement import build_placement
 
 
 @st.composite

@@ -3,8 +3,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, build_copy_plan, pull_order
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import PlanCache, SegmentLayout, build_copy_plan, pull_order
 
 TENSOR_NBYTES = (6144, 3072)  # gate_up and down of one expert
 
@@ -152,7 +152,7 @@ def test_coalesce_merges_only_neighbouring_contiguous_slices_of_one_peer(num_exp
     """Each copy is a run of consecutive slices of the plan from one peer whose source and
     destination bytes continue each other, and no two neighbouring copies could have been one: the
     same bytes move, and wherever the plan alternates peers each slice stays its own copy."""
-    from dwdp.plan import coalesce
+    from dwdp.runtime.plan import coalesce
 
     group_size = data.draw(st.integers(2, num_experts))
     rank = data.draw(st.integers(0, group_size - 1))
@@ -175,7 +175,7 @@ def test_coalesce_merges_only_neighbouring_contiguous_slices_of_one_peer(num_exp
 
 
 def test_coalesce_one_source_is_one_copy_per_tensor_and_round_robin_keeps_every_slice():
-    from dwdp.plan import coalesce
+    from dwdp.runtime.plan import coalesce
 
     _, seg, plan = _plan(8, 2, 0, 1000)  # one source: each expert's tensors are slice runs
     assert len(coalesce(plan.slices)) == 4 * len(TENSOR_NBYTES) < len(plan.slices)
@@ -184,7 +184,7 @@ def test_coalesce_one_source_is_one_copy_per_tensor_and_round_robin_keeps_every_
 
 
 def test_coalesce_keeps_apart_what_only_looks_contiguous():
-    from dwdp.plan import CopySlice, coalesce
+    from dwdp.runtime.plan import CopySlice, coalesce
 
     other_peer = (CopySlice(1, 0, 0, 100, 0), CopySlice(2, 100, 100, 100, 0))    # same offsets, two segments
     dst_jumps = (CopySlice(1, 0, 0, 100, 0), CopySlice(1, 100, 500, 100, 0))     # source continues, slot does not

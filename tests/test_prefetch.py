@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from dwdp.placement import build_placement
-from dwdp.plan import PlanCache, SegmentLayout, slot_layout
-from dwdp.prefetch import Prefetcher
-from dwdp.transport import HostTransport, PrefetchTimeout, connect_in_process
-from dwdp.transport.reference import execute_plan_reference
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import PlanCache, SegmentLayout, slot_layout
+from dwdp.runtime.prefetch import Prefetcher
+from dwdp.runtime.transport import HostTransport, PrefetchTimeout, connect_in_process
+from dwdp.runtime.transport.reference import execute_plan_reference
 
 TENSOR_NBYTES = (3000, 1500)
 NUM_LAYERS = 3

@@ -14,12 +14,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dwdp.config import DWDPConfig
-from dwdp.group import init_group, launch_local
-from dwdp.model import DWDPModel
-from dwdp.quantization import ExpertsQuantization
-from dwdp.tiny import build_tiny_model
-from dwdp.tiny_quantized import build_tiny_quantized, save_quantized_checkpoint
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.quantization import ExpertsQuantization
+from dwdp.models.tiny import build_tiny_model
+from dwdp.models.tiny_quantized import build_tiny_quantized, save_quantized_checkpoint
 from logits_check import check_logits
 
 SHAPE = dict(hidden=32, intermediate=48, num_experts=8, top_k=2, num_layers=3)
@@ -146,7 +146,7 @@ def test_fp8_rank_holds_half_of_bf16_plus_scales(results):
 
 def _expected_bytes_read(path: str, local: tuple[int, ...]) -> int:
     """Checkpoint bytes of every dense tensor and of the local experts' values and scales only (and
-    biases: gpt-oss's move with their experts at this size, dwdp.model.place_biases)."""
+    biases: gpt-oss's move with their experts at this size, dwdp.models.expert_tensors.place_biases)."""
     weight_map = json.loads((Path(path) / "model.safetensors.index.json").read_text())["weight_map"]
     total = 0
     for key, shard in weight_map.items():

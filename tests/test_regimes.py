@@ -5,7 +5,7 @@ import statistics
 
 import pytest
 
-from dwdp.bench_regimes import forward_lengths
+from dwdp.benchmarks.regimes import forward_lengths
 from dwdp.cli import main
 
 # deepseek_v3, hidden 64, expert intermediate 64, 16 experts; 2 ranks: 8 local experts each, 8 pulled

@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from dwdp.group import free_port
+from dwdp.runtime.group import free_port
 from dwdp.serve.kv import read_kv_artifact
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
@@ -324,7 +324,7 @@ def test_health_and_metrics_name_each_workers_device_and_memory(server):
     """Each worker reports where it runs, what it holds there, and how long it took to be ready (warmed up)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from dwdp.demo import DEMO_MODEL
+    from dwdp.models.demo_model import DEMO_MODEL
 
     # Tiny preset: per MoE layer 16 experts of gate_up [2I, H] + down [H, I] fp32; ceil(16 / 3) = 6 local per
     # rank, and each of the two prefetch slots holds the 10 others of one layer.

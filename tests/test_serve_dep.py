@@ -12,7 +12,7 @@ import httpx
 import pytest
 import torch
 
-from dwdp.group import free_port
+from dwdp.runtime.group import free_port
 from dwdp.serve.kv import read_kv_artifact
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model

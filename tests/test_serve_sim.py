@@ -5,7 +5,7 @@ from collections import deque
 
 import pytest
 
-from dwdp.serve_sim import (Service, fitted_service, simulate_dep_serving, simulate_dwdp_serving, summarise_ttft,
+from dwdp.predict.serve_sim import (Service, fitted_service, simulate_dep_serving, simulate_dwdp_serving, summarise_ttft,
                             take_lengths)
 
 

@@ -10,7 +10,8 @@ from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import read_kv_artifact, write_kv_artifact
 from dwdp.serve.protocol import PrefillJob
 from dwdp.serve.routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
-from dwdp.serve.worker import pad_left, take_batch
+from dwdp.serve.scheduling import take_batch
+from dwdp.serve.worker import pad_left
 
 
 def jobs(*lengths):
@@ -175,7 +176,7 @@ def test_a_forward_failing_for_lost_experts_answers_retryable_and_reports_at_onc
     import queue
     from types import SimpleNamespace
 
-    from dwdp.failover import ExpertsUnavailable, FailoverStatus
+    from dwdp.runtime.failover import ExpertsUnavailable, FailoverStatus
     from dwdp.serve.protocol import BatchStarted, PrefillError, WorkerHealth
     from dwdp.serve.worker import run_batch
 

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from dwdp import costmodel as cm
-from dwdp.simulate import SimConfig, copy_stretch, simulate, simulate_dep, simulate_dwdp
+from dwdp.predict import costmodel as cm
+from dwdp.predict.simulate import SimConfig, copy_stretch, simulate, simulate_dep, simulate_dwdp
 
 SPEC = cm.ModelSpec(
     name="tiny", hidden=64, vocab=100, num_heads=4, num_kv_heads=2, head_dim=16,

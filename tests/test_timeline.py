@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from dwdp import costmodel as cm
-from dwdp.costmodel.timeline import uniform_layers_wait
+from dwdp.predict import costmodel as cm
+from dwdp.predict.costmodel.timeline import uniform_layers_wait
 
 POWER = cm.PowerFigures(limit_w=1200, idle=0.129, compute=0.967, copy_w_per_tb_s=163.7)
 HW = cm.Hardware("toy", {"bf16": 1e15, "fp8": 2e15, "fp4": None, "fp32": 1e14}, hbm_bytes_per_s=8e12,

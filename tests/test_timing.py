@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dwdp.timing import device_tag
+from dwdp.observe.timing import device_tag
 
 
 @pytest.mark.parametrize("name, tag", [

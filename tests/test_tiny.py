@@ -1,7 +1,7 @@
 """Tiny configs derive the fields that config validators tie to others (RoPE sections from the rotary width)."""
 import pytest
 
-from dwdp.tiny import split_in_proportion, tiny_config
+from dwdp.models.tiny import split_in_proportion, tiny_config
 from releases import family_case
 
 

@@ -14,19 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from dwdp.kernels import (  # noqa: E402
-    BlockQuant,
-    Epilogue,
-    GroupedGemmConfig,
-    device_info,
-    expert_weight_table,
-    grouped_gemm,
-    grouped_gemm_reference,
-    launch_config,
-    moe_experts,
-    moe_experts_reference,
-    quantize_fp8,
-)
+from dwdp.kernels import BlockQuant, Epilogue, GroupedGemmConfig, device_info, expert_weight_table, grouped_gemm, grouped_gemm_reference, launch_config, moe_experts, moe_experts_reference, quantize_fp8
 from dwdp.kernels.grouped_gemm import kernel_problem  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.group import free_port
+from dwdp.runtime.group import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_tiny.py"
 

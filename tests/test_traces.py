@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from dwdp import phases
-from dwdp.contention import contention_pmf
-from dwdp.traces import TraceFormatError, load_trace
-from dwdp.traces.breakdown import breakdown_trace, compare, summarize
-from dwdp.traces.bubbles import bubbles_trace, per_layer
-from dwdp.traces.contention import contended_waits, measure_contention, wait_episodes
+from dwdp.observe import phases
+from dwdp.predict.contention import contention_pmf
+from dwdp.observe.traces import TraceFormatError, load_trace
+from dwdp.observe.traces.breakdown import breakdown_trace, compare, summarize
+from dwdp.observe.traces.bubbles import bubbles_trace, per_layer
+from dwdp.observe.traces.contention import contended_waits, measure_contention, wait_episodes
 
 REPO = Path(__file__).resolve().parents[1]
 US = 1000  # ns per us: the Nsight database is in ns

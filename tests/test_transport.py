@@ -4,12 +4,12 @@ import os
 import pytest
 import torch
 
-from dwdp.group import init_group, launch_local
-from dwdp.placement import build_placement
-from dwdp.plan import CopyPlan, CopySlice, SegmentLayout, build_copy_plan, slot_layout
-from dwdp.transport import HostTransport, PrefetchTimeout, Ticket
-from dwdp.transport.host import SEGMENT_PREFIX, sweep_stale_segments
-from dwdp.transport.reference import execute_plan_reference
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import CopyPlan, CopySlice, SegmentLayout, build_copy_plan, slot_layout
+from dwdp.runtime.transport import HostTransport, PrefetchTimeout, Ticket
+from dwdp.runtime.transport.host import SEGMENT_PREFIX, sweep_stale_segments
+from dwdp.runtime.transport.reference import execute_plan_reference
 
 TENSOR_NBYTES = (4000, 2000)
 NUM_LAYERS = 3

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from dwdp.cli import main
-from dwdp.config import DWDPConfig
-from dwdp.tune import CopyMeasurement, recommend
+from dwdp.runtime.config import DWDPConfig
+from dwdp.tune.recommend import CopyMeasurement, recommend
 
 MIB = 1 << 20
 
@@ -82,9 +82,9 @@ def test_tune_rejects_bad_slice_sizes(tmp_path):
         main(["tune", "--family", "mixtral", "--copy-batches", "1,0", "--out", str(tmp_path / "x.json")])
 
 
-@pytest.mark.skipif(__import__("dwdp.transport.cuda_api", fromlist=["probe"]).probe().usable, reason="needs no GPU")
+@pytest.mark.skipif(__import__("dwdp.runtime.transport.cuda_api", fromlist=["probe"]).probe().usable, reason="needs no GPU")
 def test_tune_cuda_without_a_gpu_says_so(tmp_path):
-    from dwdp.transport.cuda_api import NoCudaDriverError
+    from dwdp.runtime.transport.cuda_api import NoCudaDriverError
 
     with pytest.raises(NoCudaDriverError, match="no usable CUDA device"):
         main(["tune", "--backend", "cuda", "--family", "mixtral", "--group-size", "2", "--out", str(tmp_path / "x.json")])
@@ -98,9 +98,9 @@ def test_tune_cuda_without_a_gpu_says_so(tmp_path):
 ])
 def test_tune_counts_quantized_bytes_per_expert(dtype, expert_bytes):
     """Bytes per expert from the real layout: quantized values plus their block scales."""
-    from dwdp.quantization import ExpertsQuantization
-    from dwdp.tiny import tiny_config
-    from dwdp.tune import expert_geometry
+    from dwdp.models.quantization import ExpertsQuantization
+    from dwdp.models.tiny import tiny_config
+    from dwdp.tune.recommend import expert_geometry
 
     config = tiny_config("mixtral")
     quant = ExpertsQuantization("fp8", (128, 128)) if dtype == "fp8" else ExpertsQuantization("mxfp4")
@@ -122,7 +122,7 @@ def _grid(table: dict[tuple[int, int], float], plan_bytes: int = 10**9) -> list[
 
 
 def test_choice_takes_the_smallest_slice_near_the_best_then_the_most_batches_near_that_slice():
-    from dwdp.copy_tuning import choose_copy_settings
+    from dwdp.tune.copies import choose_copy_settings
 
     # One GPU's shape: bandwidth grows with the slice (a fixed cost per copy) and drops with more,
     # smaller batches. 4 MiB is within 5 % of 16 MiB's best; at 4 MiB, 4 batches are within 5 % of
@@ -142,14 +142,14 @@ def test_choice_takes_the_smallest_slice_near_the_best_then_the_most_batches_nea
     ({(1 << 20, 1): 100.0, (1 << 20, 2): 20.0, (1 << 20, 8): 96.0}, (1 << 20, 8)),   # batches need not be monotone
 ])
 def test_choice_edges(table, want):
-    from dwdp.copy_tuning import choose_copy_settings
+    from dwdp.tune.copies import choose_copy_settings
 
     choice = choose_copy_settings(_grid(table))
     assert (choice.slice_bytes, choice.copy_batches) == want, (choice, table)
 
 
 def test_choice_refuses_an_empty_table_and_a_bad_tolerance():
-    from dwdp.copy_tuning import choose_copy_settings
+    from dwdp.tune.copies import choose_copy_settings
 
     with pytest.raises(ValueError, match="no copy measurements"):
         choose_copy_settings([])
@@ -158,7 +158,7 @@ def test_choice_refuses_an_empty_table_and_a_bad_tolerance():
 
 
 def test_per_copy_cost_is_the_slope_of_seconds_over_copies():
-    from dwdp.copy_tuning import per_copy_cost
+    from dwdp.tune.copies import per_copy_cost
 
     points = [(n, 20e-6 + n * 5.5e-6 + jitter) for n, jitter in ((8, 1e-7), (8, -1e-7), (32, 0.0), (128, 0.0))]
     fixed, per_copy = per_copy_cost(points)

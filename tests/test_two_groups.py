@@ -6,10 +6,10 @@ group would compute with foreign experts and its logits would not match its own 
 import pytest
 import torch
 
-from dwdp.config import DWDPConfig
-from dwdp.group import launch_local
-from dwdp.model import DWDPModel
-from dwdp.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import launch_local
+from dwdp.runtime.model import DWDPModel
+from dwdp.models.tiny import build_tiny_model
 from logits_check import check_logits
 
 # qwen3_moe tiny: 3 MoE layers of 8 experts, gate_up [96, 32] + down [32, 48] fp32 = 18432 bytes each.

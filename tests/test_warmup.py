@@ -12,12 +12,12 @@ import torch
 
 pytest.importorskip("triton.backends.nvidia")
 
-from dwdp.config import DWDPConfig  # noqa: E402
-from dwdp.experts import _kernel_call  # noqa: E402
-from dwdp.group import DWDPGroup, init_group, launch_local  # noqa: E402
+from dwdp.runtime.config import DWDPConfig  # noqa: E402
+from dwdp.runtime.experts import _kernel_call  # noqa: E402
+from dwdp.runtime.group import DWDPGroup, init_group, launch_local  # noqa: E402
 from dwdp.kernels.tuned_configs import FORMAT, file_name  # noqa: E402
-from dwdp.model import DWDPModel  # noqa: E402
-from dwdp.tiny import build_tiny_model  # noqa: E402
+from dwdp.runtime.model import DWDPModel  # noqa: E402
+from dwdp.models.tiny import build_tiny_model  # noqa: E402
 from kernel_launches import LaunchRecorder, differing, launch_mod  # noqa: E402
 
 BATCHES = [(1, 1), (1, 2), (1, 7), (2, 5), (3, 16), (1, 33), (4, 8), (2, 1), (4, 130)]  # (prompts, tokens)

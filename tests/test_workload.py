@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from dwdp.workload import (
+from dwdp.predict.workload import (
     Forward,
     WorkloadConfig,
     coefficient_of_variation,

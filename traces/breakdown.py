@@ -5,7 +5,7 @@
     python traces/breakdown.py run.sqlite --json breakdown.json
 
 Inputs: a directory of trace_rank*.json, an Nsight Systems .sqlite export, or a torch.profiler
-JSON. Category rules: dwdp/traces/categories.json (or --rules FILE). Prints the table last.
+JSON. Category rules: dwdp/observe/traces/categories.json (or --rules FILE). Prints the table last.
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import dataclasses
 import json
 import sys
 
-from dwdp.traces import TraceFormatError, load_trace
-from dwdp.traces.breakdown import breakdown_trace, compare, summarize
-from dwdp.traces.report import format_table, ms, pct
-from dwdp.traces.rules import DEFAULT_RULES, load_rules
+from dwdp.observe.traces import TraceFormatError, load_trace
+from dwdp.observe.traces.breakdown import breakdown_trace, compare, summarize
+from dwdp.observe.traces.report import format_table, ms, pct
+from dwdp.observe.traces.rules import DEFAULT_RULES, load_rules
 
 
 def main(argv: list[str] | None = None) -> int:

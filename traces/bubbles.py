@@ -11,9 +11,9 @@ import dataclasses
 import json
 import sys
 
-from dwdp.traces import TraceFormatError, load_trace
-from dwdp.traces.bubbles import bubbles_trace, per_layer
-from dwdp.traces.report import format_table, ms, pct
+from dwdp.observe.traces import TraceFormatError, load_trace
+from dwdp.observe.traces.bubbles import bubbles_trace, per_layer
+from dwdp.observe.traces.report import format_table, ms, pct
 
 
 def main(argv: list[str] | None = None) -> int:

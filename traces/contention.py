@@ -13,9 +13,9 @@ import dataclasses
 import json
 import sys
 
-from dwdp.traces import TraceFormatError, load_trace
-from dwdp.traces.contention import contended_waits, measure_contention
-from dwdp.traces.report import format_table, ms, pct
+from dwdp.observe.traces import TraceFormatError, load_trace
+from dwdp.observe.traces.contention import contended_waits, measure_contention
+from dwdp.observe.traces.report import format_table, ms, pct
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,10 +12,10 @@ import json
 import sys
 from pathlib import Path
 
-from dwdp.traces import TraceFormatError, load_trace
-from dwdp.traces.bubbles import bubbles_trace
-from dwdp.traces.report import format_table, ms, pct
-from dwdp.traces.timeline import plot_timeline
+from dwdp.observe.traces import TraceFormatError, load_trace
+from dwdp.observe.traces.bubbles import bubbles_trace
+from dwdp.observe.traces.report import format_table, ms, pct
+from dwdp.observe.traces.timeline import plot_timeline
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ KEY = "a_copy_bandwidth"
 
 
 def run(sections: dict, total: int = 512 * MiB) -> dict:
-    from dwdp.transport import cuda_api as api
+    from dwdp.runtime.transport import cuda_api as api
 
     src = seeded_bytes(1, total)
     dst = torch.empty_like(src)

@@ -54,8 +54,8 @@ def _timed(stream: torch.cuda.Stream, issue, repeats: int = 7) -> dict:
 
 def _bandwidth(rank: int, group, transport, placement, layout, slot, opts: dict) -> list[dict]:
     """One row per (mode, slice size): every step's GB/s (device and wall) and host microseconds."""
-    from dwdp.plan import build_copy_plan, coalesce, cut_batches
-    from dwdp.transport import cuda_api
+    from dwdp.runtime.plan import build_copy_plan, coalesce, cut_batches
+    from dwdp.runtime.transport import cuda_api
 
     current = torch.cuda.current_stream()
     raw = cuda_api.stream_create()
@@ -116,9 +116,9 @@ def _bandwidth(rank: int, group, transport, placement, layout, slot, opts: dict)
 
 
 def _ipc_rank(rank: int, opts: dict) -> dict:
-    from dwdp.plan import build_copy_plan, slot_layout
-    from dwdp.transport import cuda_api
-    from dwdp.transport.reference import execute_plan_reference
+    from dwdp.runtime.plan import build_copy_plan, slot_layout
+    from dwdp.runtime.transport import cuda_api
+    from dwdp.runtime.transport.reference import execute_plan_reference
 
     group, placement, layout, transport, handles = rank_transport(rank, opts, 100)
     tensor_nbytes = layout.tensor_nbytes
@@ -152,7 +152,7 @@ def _ipc_rank(rank: int, opts: dict) -> dict:
 
 
 def run(sections: dict) -> dict:
-    from dwdp.group import launch_local
+    from dwdp.runtime.group import launch_local
 
     opts = {"experts": 16, "layers": 3, "tensor_nbytes": [8 * MiB, 4 * MiB], "slice_bytes": 1 * MiB,
             "copy_batches": 4, "prefetch_slices": [1 * MiB, 4 * MiB, 8 * MiB]}

@@ -102,7 +102,7 @@ def run(sections: dict) -> dict:
     batch_rows = [r for r in sections.get("a_copy_bandwidth", {}).get("rows", [])
                   if r["slice_bytes"] == MiB and r["method"] == "cudaMemcpyBatchAsync"]
     copy_GBps = batch_rows[0]["GBps"] if batch_rows else 200.0
-    from dwdp.transport import cuda_api as api
+    from dwdp.runtime.transport import cuda_api as api
 
     from .telemetry import Sampler
 

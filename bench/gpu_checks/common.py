@@ -50,7 +50,7 @@ def versions() -> dict:
     import triton
     import transformers
 
-    from dwdp.transport import cuda_api
+    from dwdp.runtime.transport import cuda_api
 
     info = cuda_api.probe()
     try:
@@ -72,10 +72,10 @@ def versions() -> dict:
 def rank_transport(rank: int, opts: dict, seed: int):
     """This rank's cuda transport over a gloo group on GPU 0, its segment filled with seeded bytes and
     every peer mapped. Returns (group, placement, layout, transport, handles)."""
-    from dwdp.group import init_group
-    from dwdp.placement import build_placement
-    from dwdp.plan import SegmentLayout
-    from dwdp.transport.cuda import CudaTransport
+    from dwdp.runtime.group import init_group
+    from dwdp.runtime.placement import build_placement
+    from dwdp.runtime.plan import SegmentLayout
+    from dwdp.runtime.transport.cuda import CudaTransport
 
     torch.cuda.set_device(0)
     group = init_group()

@@ -14,9 +14,9 @@ KEY = "d_model"
 
 def _model_rank(rank: int, opts: dict) -> dict:
     from dwdp import DWDPConfig, DWDPModel
-    from dwdp.device_timing import DeviceWaitTimer
-    from dwdp.group import DWDPGroup, init_group
-    from dwdp.tiny import build_tiny_model
+    from dwdp.observe.device_timing import DeviceWaitTimer
+    from dwdp.runtime.group import DWDPGroup, init_group
+    from dwdp.models.tiny import build_tiny_model
 
     torch.cuda.set_device(0)
     group = init_group()
@@ -102,7 +102,7 @@ def _logits_bound(r: dict) -> float:
 
 
 def run(sections: dict) -> dict:
-    from dwdp.group import launch_local
+    from dwdp.runtime.group import launch_local
 
     opts = {"family": "qwen3_moe", "hidden": 2048, "intermediate": 1024, "experts": 16, "top_k": 4, "layers": 4,
             "vocab": 4096, "batch": 4, "seq": 1024, "forwards": 10, "slice_bytes": MiB,

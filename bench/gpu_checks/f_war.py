@@ -10,9 +10,9 @@ KEY = "f_war_stress"
 
 
 def _war_rank(rank: int, opts: dict) -> dict:
-    from dwdp.plan import PlanCache, slot_layout
-    from dwdp.prefetch import Prefetcher
-    from dwdp.transport.reference import execute_plan_reference
+    from dwdp.runtime.plan import PlanCache, slot_layout
+    from dwdp.runtime.prefetch import Prefetcher
+    from dwdp.runtime.transport.reference import execute_plan_reference
 
     group, placement, layout, transport, _ = rank_transport(rank, opts, 300)
     tensor_nbytes = layout.tensor_nbytes
@@ -48,7 +48,7 @@ def _war_rank(rank: int, opts: dict) -> dict:
 
 
 def run(sections: dict) -> dict:
-    from dwdp.group import launch_local
+    from dwdp.runtime.group import launch_local
 
     opts = {"experts": 16, "layers": 5, "tensor_nbytes": [MiB, MiB // 2], "slice_bytes": 256 << 10, "visits": 300,
             "sleep_cycles": 200_000, "copy_batches": 4}

@@ -67,7 +67,7 @@ def serve_check(device: str, preset: str, *, requests: int, rate_per_s: float, p
     """Start `dwdp serve --device <device> --preset <preset>` with RANKS workers, load it, read its /health."""
     import httpx
 
-    from dwdp.group import free_port
+    from dwdp.runtime.group import free_port
     from dwdp.serve.launch import ServerProcess
 
     root = tempfile.mkdtemp(prefix="dwdp-gpu-check-serve-")

@@ -6,13 +6,13 @@ healthy worker with the fewest outstanding prompt tokens (dwdp.serve.routing); a
 what is in its queue up to `max_num_tokens` padded tokens, prefills through DWDPModel, and writes
 each request's KV cache as a safetensors artifact (dwdp.serve.kv).
 """
-from .config import ServeConfig
-from .kv import read_kv_artifact, write_kv_artifact
+from dwdp.serve.config import ServeConfig
+from dwdp.serve.kv import read_kv_artifact, write_kv_artifact
 
 __all__ = ["ServeConfig", "read_kv_artifact", "write_kv_artifact", "run_server"]
 
 
 def run_server(config: ServeConfig) -> int:
-    from .server import run_server as run
+    from dwdp.serve.server import run_server as run
 
     return run(config)

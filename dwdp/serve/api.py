@@ -13,9 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from .errors import ServeError
-from .metrics import CONTENT_TYPE, ServeMetrics
-from .schemas import CompletionRequest, FaultRequest, PrefillRequest
+from dwdp.serve.errors import ServeError
+from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
+from dwdp.serve.schemas import CompletionRequest, FaultRequest, PrefillRequest
 
 
 class BodyLimit:

@@ -109,7 +109,7 @@ class ServeConfig:
         _check_int("threads_per_worker", self.threads_per_worker, 1)
         _check_seconds("startup_timeout_s", self.startup_timeout_s)
         _check_seconds("drain_timeout_s", self.drain_timeout_s)
-        from ..devices import check_device, model_dtype
+        from dwdp.runtime.devices import check_device, model_dtype
 
         check_device(self.device)
         model_dtype(self.device, self.dtype)  # validates dtype

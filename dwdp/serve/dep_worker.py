@@ -2,7 +2,7 @@
 
 Legend: G = ranks, B = prompts in this rank's forward, V = vocabulary.
 
-What a DEP prefill server does (attention data parallel + expert parallel, dwdp.baselines.dep): the
+What a DEP prefill server does (attention data parallel + expert parallel, dwdp.runtime.baselines.dep): the
 router hands each request to the rank with the fewest outstanding tokens, exactly as in DWDP mode;
 each rank runs attention on its own prompts, and every MoE layer exchanges tokens among all ranks
 (two all-to-alls). So the ranks step together. In each step:
@@ -34,10 +34,10 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
-from .config import ServeConfig
-from .protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
-from .scheduling import take_forward
-from .worker import answer_forward, model_info, pad_left, worker_info
+from dwdp.serve.config import ServeConfig
+from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
+from dwdp.serve.scheduling import take_forward
+from dwdp.serve.worker import answer_forward, model_info, pad_left, worker_info
 
 log = logging.getLogger("dwdp")
 
@@ -212,9 +212,9 @@ def build_dep_model(config: ServeConfig, rank_hint: int = 0):
     """(this rank's DEPModel, the gloo group its steps agree on, every rank's pid); joins the
     env:// world, so every rank must call it together. A checkpoint is loaded whole, then each
     rank drops the experts of the others (DEP holds a disjoint share per rank)."""
-    from ..baselines.dep import DEPModel
-    from ..devices import model_dtype, rank_device
-    from ..group import DWDPGroup, init_group
+    from dwdp.runtime.baselines.dep import DEPModel
+    from dwdp.runtime.devices import model_dtype, rank_device
+    from dwdp.runtime.group import DWDPGroup, init_group
 
     num_gpus = torch.cuda.device_count() if config.device == "cuda" else 0
     backend = dep_backend(config.device, config.ranks, num_gpus)
@@ -231,7 +231,7 @@ def build_dep_model(config: ServeConfig, rank_hint: int = 0):
 
         model = AutoModelForCausalLM.from_pretrained(config.model, local_files_only=True, dtype=dtype)
     else:
-        from .presets import preset_model
+        from dwdp.serve.presets import preset_model
 
         model = preset_model(config.preset, config.seed, dtype)
     model = model.to(device).eval()

@@ -24,13 +24,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..group import free_port
-from .config import ServeConfig
-from .errors import ServeError
-from .protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
+from dwdp.runtime.group import free_port
+from dwdp.serve.config import ServeConfig
+from dwdp.serve.errors import ServeError
+from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
                        WorkerFailed, WorkerHealth, WorkerReady)
-from .routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
-from .worker import worker_main
+from dwdp.serve.routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
+from dwdp.serve.worker import worker_main
 
 log = logging.getLogger("dwdp")
 
@@ -104,7 +104,7 @@ class WorkerPool:
     def start(self) -> None:
         """Spawn the workers and the threads that read their answers and watch their health."""
         if self.config.device == "cuda":
-            from ..devices import require_gpu, sharing_line
+            from dwdp.runtime.devices import require_gpu, sharing_line
 
             line = sharing_line(self.config.ranks, require_gpu("dwdp serve"))
             if line:
@@ -112,7 +112,7 @@ class WorkerPool:
         port = free_port()
         target = worker_main
         if self.config.mode == "dep":
-            from .dep_worker import dep_worker_main as target
+            from dwdp.serve.dep_worker import dep_worker_main as target
         for rank in range(self.config.ranks):
             requests = self._ctx.Queue()
             process = self._ctx.Process(

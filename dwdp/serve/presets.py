@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from ..demo import DEMO_MODEL
-from ..tiny import build_tiny_model
+from dwdp.models.demo_model import DEMO_MODEL
+from dwdp.models.tiny import build_tiny_model
 
 
 # A Qwen3-MoE-shaped model big enough for a GPU to time (4 layers of 16 experts, 2048 wide: 384 MiB of

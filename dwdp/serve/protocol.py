@@ -76,7 +76,7 @@ class PrefillError:
 @dataclass(frozen=True)
 class WorkerHealth:
     rank: int
-    status: dict                # dataclasses.asdict(dwdp.failover.FailoverStatus) + can_serve_all
+    status: dict                # dataclasses.asdict(dwdp.runtime.failover.FailoverStatus) + can_serve_all
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Legend: B = prompts in the forward, Tmax = its longest prompt; a forward's padded tokens are B x Tmax
 (prompts are left-padded to the longest), at most `max_num_tokens`.
 
-- "fifo": arrival order, as many as fit (`dwdp.serve.worker.take_batch`).
+- "fifo": arrival order, as many as fit (`take_batch`).
 - "shortest": shortest prompt first, so a short prompt is not stuck behind long ones and prompts of
   similar length share a forward (less padding); a prompt queued for `fairness_s` or longer goes
   first whatever its length (oldest first), so no prompt starves under a stream of shorter ones.
@@ -14,7 +14,20 @@ from __future__ import annotations
 
 from collections import deque
 
-from .protocol import PrefillJob
+from dwdp.serve.protocol import PrefillJob
+
+def take_batch(pending: deque, max_num_tokens: int) -> list[PrefillJob]:
+    """Pop jobs from the front of `pending`, in arrival order, while B x Tmax stays within
+    `max_num_tokens`. The first job is always taken (the router rejects longer prompts)."""
+    batch: list[PrefillJob] = []
+    longest = 0
+    while pending:
+        n = len(pending[0].input_ids)
+        if batch and (len(batch) + 1) * max(longest, n) > max_num_tokens:
+            break
+        batch.append(pending.popleft())
+        longest = max(longest, n)
+    return batch
 
 
 def take_forward(pending: deque, max_num_tokens: int, order: str = "fifo", fairness_s: float = 0.5,
@@ -23,8 +36,6 @@ def take_forward(pending: deque, max_num_tokens: int, order: str = "fifo", fairn
     B x Tmax within `max_num_tokens`; the first candidate is always taken (the router rejects
     longer prompts). `now`: time.monotonic(), against which PrefillJob.enqueued ages a prompt."""
     if order == "fifo":
-        from .worker import take_batch
-
         return take_batch(pending, max_num_tokens)
     if order != "shortest":
         raise ValueError(f"order={order!r} is not 'fifo' or 'shortest'")

@@ -8,8 +8,8 @@ import sys
 import tempfile
 import time
 
-from .config import ServeConfig
-from .pool import StartupError, WorkerPool
+from dwdp.serve.config import ServeConfig
+from dwdp.serve.pool import StartupError, WorkerPool
 
 
 def load_tokenizer(config: ServeConfig):
@@ -40,7 +40,7 @@ def run_server(config: ServeConfig) -> int:
     """Serve until interrupted; returns the process exit code (1 when a worker fails to start)."""
     import uvicorn
 
-    from .api import BodyLimit, create_app
+    from dwdp.serve.api import BodyLimit, create_app
 
     # Bound first: a taken port fails before any worker is spawned, and --port 0 picks a free one.
     sock = _bind(config.host, config.port)

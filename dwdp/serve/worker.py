@@ -26,28 +26,15 @@ from collections import deque
 
 import torch
 
-from ..failover import RankDegraded
-from .config import ServeConfig
-from .kv import request_cache, write_kv_artifact
-from .protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
+from dwdp.runtime.failover import RankDegraded
+from dwdp.serve.config import ServeConfig
+from dwdp.serve.kv import request_cache, write_kv_artifact
+from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
                        WorkerHealth, WorkerReady)
-from .scheduling import take_forward
+from dwdp.serve.scheduling import take_forward
 
 log = logging.getLogger("dwdp")
 
-
-def take_batch(pending: deque, max_num_tokens: int) -> list[PrefillJob]:
-    """Pop jobs from the front of `pending`, in arrival order, while B x Tmax stays within
-    `max_num_tokens`. The first job is always taken (the router rejects longer prompts)."""
-    batch: list[PrefillJob] = []
-    longest = 0
-    while pending:
-        n = len(pending[0].input_ids)
-        if batch and (len(batch) + 1) * max(longest, n) > max_num_tokens:
-            break
-        batch.append(pending.popleft())
-        longest = max(longest, n)
-    return batch
 
 
 def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
@@ -216,10 +203,10 @@ def _control(model, rank: int, message, results) -> bool:
 def build_worker_model(config: ServeConfig, rank: int):
     """This rank's DWDPModel on its device, warmed up (no kernel compiles once it serves); joins the
     env:// world, so every rank must call it together."""
-    from ..config import DWDPConfig
-    from ..devices import model_dtype, rank_device
-    from ..group import init_group
-    from ..model import DWDPModel
+    from dwdp.runtime.config import DWDPConfig
+    from dwdp.runtime.devices import model_dtype, rank_device
+    from dwdp.runtime.group import init_group
+    from dwdp.runtime.model import DWDPModel
 
     device = rank_device(config.device, rank)
     dtype = model_dtype(config.device, config.dtype)
@@ -229,7 +216,7 @@ def build_worker_model(config: ServeConfig, rank: int):
     if config.model is not None:
         model = DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group, dtype=dtype, device=device)
     else:
-        from .presets import preset_model
+        from dwdp.serve.presets import preset_model
 
         model = DWDPModel(preset_model(config.preset, config.seed, dtype).to(device), dwdp_config, group)
     model.warmup()

@@ -1,0 +1,369 @@
+"""DWDPModel: turn a finished transformers MoE model into one rank of a DWDP group.
+
+Legend: E = experts per MoE layer, L = local experts per rank, M = MoE layers, B = prefetch slots.
+
+Each rank keeps the dense weights and L experts per layer (in its shared source segment), frees
+the other experts, and runs every MoE layer through the `dwdp` experts function, which reads
+local experts in place and remote ones from a prefetch slot filled by copies from peers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from dwdp import envs
+from dwdp.models.adapters import ExpertsLayer, find_experts, route_experts
+from dwdp.runtime.config import DWDPConfig
+from dwdp.models.expert_tensors import ExpertsSpec, place_biases
+from dwdp.runtime.experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, dwdp_experts_forward
+from dwdp.runtime.experts_kernel import (TOP_K_FORMS, choose_experts_kernel, compiled_specialisations, epilogue_of,
+                             kernel_weight_tables, routing_top_k)
+from dwdp.runtime.failover import Failover, FailoverStatus
+from dwdp.runtime.group import DWDPGroup, init_group
+from dwdp.runtime.liveness import close_records, exchange_records
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.plan import PlanCache, SegmentLayout, arrival_order, slot_layout
+from dwdp.runtime.prefetch import Prefetcher
+from dwdp.observe.nvtx_ranges import NvtxRanges
+from dwdp.observe.tracing import TraceRecorder, attach_nvtx_hooks, attach_phase_hooks
+from dwdp.runtime.transport import make_transport, resolve_backend
+from dwdp.runtime.wrapping import ModelWrapper, dense_bytes
+
+log = logging.getLogger("dwdp")
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes this rank holds, against what the unwrapped model needed."""
+
+    full_expert_bytes: int      # every expert of every MoE layer
+    local_expert_bytes: int     # this rank's local experts (its source segment)
+    prefetch_buffer_bytes: int  # all prefetch slots
+    dense_bytes: int            # every other parameter and buffer
+
+    @property
+    def resident_expert_bytes(self) -> int:
+        return self.local_expert_bytes + self.prefetch_buffer_bytes
+
+    @property
+    def saved_bytes(self) -> int:
+        return self.full_expert_bytes - self.resident_expert_bytes
+
+
+ExpertSource = Callable[[str, str, torch.Tensor], torch.Tensor]
+"""(experts module name, expert tensor name, expert ids [n]) -> [n, *shape]: that tensor of those experts."""
+
+
+def _module_source(layers: list[ExpertsLayer]) -> ExpertSource:
+    by_name = {layer.name: layer for layer in layers}
+
+    def read(name: str, tensor: str, ids: torch.Tensor) -> torch.Tensor:
+        layer = by_name[name]
+        return layer.spec.tensor(tensor).stacked(layer.module, layer.spec.num_experts).detach()[ids]
+
+    return read
+
+
+
+def _bias_report(spec: ExpertsSpec) -> str | None:
+    """"replicated" or "moved with experts" for a layer with biases, None without."""
+    if not spec.math.biases:
+        return None
+    return "moved with experts" if spec.tensor(spec.math.biases[0]).moves else "replicated"
+
+
+def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order: list[int]) -> LayerTables:
+    """Each tensor's E per-expert views in table order for one prefetch slot `buffer`: local experts
+    (the module's [L, ...] segment views), then the remote ones from their peer's block in the slot;
+    tensors that stay on every rank are read from the module's full [E, ...] tensor."""
+    spec = layer.spec
+    num_local = len(table_order) - sum(len(x) for x in slots.experts_by_peer)
+    tables: LayerTables = {}
+    for t_index, tensor in enumerate(spec.moving):
+        views = list(tensor.stored(layer.module).unbind(0))  # L local views
+        remote = {}
+        for p_index, experts_of_peer in enumerate(slots.experts_by_peer):
+            block = tensor.views_in(buffer, slots.tensor_offset(p_index, t_index), len(experts_of_peer))
+            remote.update(zip(experts_of_peer, block.unbind(0)))
+        views.extend(remote[e] for e in table_order[num_local:])
+        tables[tensor.name] = views
+    for tensor in spec.replicated:
+        full = tensor.stacked(layer.module, spec.num_experts)  # [E, *shape]
+        tables[tensor.name] = [full[e] for e in table_order]
+    return tables
+
+
+def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
+    """CUDA IPC when every rank of the group is on this host, symmetric memory otherwise."""
+    if requested != "auto":
+        return requested
+    hosts = group.all_gather_object(socket.gethostname())
+    return "ipc" if len(set(hosts)) == 1 else "symmetric_memory"
+
+
+class DWDPModel(ModelWrapper):
+    """One rank of a DWDP group around `model`, called exactly like `model`.
+
+    model: a transformers 5 MoE model (any family whose experts dwdp.models.adapters finds: see the README's
+        family table), on the CPU (host backend) or on this rank's CUDA device (cuda backend); it is
+        modified in place (its non-local experts are freed).
+    config: DWDPConfig, or the path of one saved as JSON (`dwdp tune` writes one); group_size None
+        means the whole DWDP group passed in `group`.
+    group: DWDPGroup; None joins the env:// world (torchrun) or, without one, a one-rank group.
+    expert_source: where this rank's local experts come from (see ExpertSource); None reads them from
+        the model's stacked parameters. A loader passes one that reads only local experts from a checkpoint,
+        so a model whose experts are still on the meta device never materialises the others.
+    trace: directory for this rank's `trace_rank{r}.json` (written on `close`); default
+        DWDP_TRACE_DIR, and no recording at all when neither is set.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: DWDPConfig | str | os.PathLike | None = None,
+        group: DWDPGroup | None = None,
+        *,
+        expert_source: ExpertSource | None = None,
+        trace: str | None = None,
+    ):
+        super().__init__()
+        if isinstance(config, (str, os.PathLike)):
+            config = DWDPConfig.from_json(config)  # e.g. written by `dwdp tune`
+        config = config or DWDPConfig()
+        layers = find_experts(model)  # validates the model before any collective
+        layers = [dataclasses.replace(layer, spec=place_biases(layer.spec, config.expert_biases)) for layer in layers]
+        if group is None:
+            group = init_group(config.group_size)
+        if config.group_size is not None and config.group_size != group.size:
+            raise ValueError(f"config.group_size={config.group_size} but the DWDP group has {group.size} ranks")
+        first = layers[0]
+        for layer in layers[1:]:
+            if layer.spec.signature() != first.spec.signature():
+                raise ValueError(
+                    f"{layer.name} has experts {layer.spec.signature()}; expected {first.spec.signature()} like "
+                    f"{first.name}: every MoE layer shares one segment layout"
+                )
+        num_experts = first.spec.num_experts
+        moving = first.spec.moving
+        placement = build_placement(num_experts, group.size, config.num_local_experts, config.expert_replicas)
+        device = moving[0].stored(first.module).device
+        backend = resolve_backend(config.backend, torch.device("cpu") if device.type == "meta" else device)
+        timeout_s = envs.wait_timeout_s(config.wait_timeout_s)
+
+        self.model = model
+        self.dwdp_config = config
+        self.group = group
+        self.placement = placement
+        self.backend = backend
+        self.experts_layers = layers
+        self.experts_modules = [layer.module for layer in layers]
+        self.expert_biases = _bias_report(first.spec)
+
+        tensor_nbytes = tuple(t.stride_bytes for t in moving)  # one expert's block of each moving tensor
+        segment_layout = SegmentLayout(len(layers), placement.num_local_experts, tensor_nbytes)
+        slots = slot_layout(placement, group.rank, tensor_nbytes)
+        full_bytes = len(layers) * num_experts * sum(t.nbytes for t in first.spec.tensors)
+
+        mapping = _cuda_mapping(config.cuda_mapping, group) if backend == "cuda" else "ipc"
+        transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
+                                   process_group=group.process_group)
+        self.transport = transport
+        self._finalizer = weakref.finalize(self, transport.close)
+        record = liveness = None
+        try:
+            segment = transport.alloc_segment(segment_layout.total_nbytes)
+            local_ids = torch.tensor(placement.local_experts(group.rank))
+            source = expert_source or _module_source(layers)
+            for index, layer in enumerate(layers):
+                self._fill_local(index, layer, segment, segment_layout, local_ids, source)
+            handles = group.all_gather_object(transport.register())
+            transport.open(handles)
+            record, liveness = exchange_records(group, envs.shm_dir(), config.peer_timeout_s)
+            group.barrier()  # every peer has mapped our segment and record: their names can go
+            transport.seal()
+            if record is not None:
+                record.seal()
+                record.start()
+        except BaseException:
+            transport.close()
+            close_records(record, liveness)
+            raise
+        self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
+
+        slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
+        plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes_for(backend))
+        # A lost peer is a plan change made here, from this rank's own view: never a collective.
+        self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record)
+        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover)
+
+        # Remote experts in the order their copies complete, so the ones landed at any moment are
+        # mostly a prefix of the table (exactly one on CUDA, where batches complete in order).
+        remote_order = list(arrival_order(plans.get(0, 0)))
+        table_order = list(placement.local_experts(group.rank)) + remote_order
+        num_identity = first.spec.math.num_identity_experts
+        position = torch.empty(num_experts + num_identity, dtype=torch.long)
+        position[torch.tensor(table_order)] = torch.arange(num_experts)
+        position[num_experts:] = torch.arange(num_experts, num_experts + num_identity)  # identity experts last
+        position = position.to(slot_buffers[0].device)  # indexed by the router's ids, on their device
+        self.experts_kernel = choose_experts_kernel(config.experts_kernel, device, layers)
+        for index, layer in enumerate(layers):
+            tables = [_layer_tables(layer, slots, buf, table_order) for buf in slot_buffers]
+            kernel_tables, epilogue = None, None
+            if self.experts_kernel in ("triton", "triton_fp8"):
+                fp8_dots = self.experts_kernel == "triton_fp8"
+                kernel_tables = [kernel_weight_tables(layer.spec, t, fp8_dots) for t in tables]
+                epilogue = epilogue_of(layer)
+            layer.module._dwdp_runtime = LayerRuntime(
+                index, placement.num_local_experts, position, tuple(table_order), tables, layer.spec.math,
+                self.prefetcher, kernel_tables, epilogue,
+            )
+
+        route_experts(model, layers, EXPERTS_IMPLEMENTATION, dwdp_experts_forward)
+        self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())]
+        if backend == "cuda":
+            self.prefetcher.nvtx = NvtxRanges()
+            self._hooks += attach_nvtx_hooks(model, self.prefetcher.nvtx, [layer.name for layer in layers])
+        self.recorder = None
+        trace = trace or envs.trace_dir()
+        if trace:
+            plan_bytes = {layer: plans.get(layer, 0).nbytes for layer in range(len(layers))}
+            self.recorder = TraceRecorder(trace, group.rank, group.size, len(layers), plan_bytes)
+            self.prefetcher.recorder = transport.recorder = self.recorder
+            self._hooks.append(model.register_forward_pre_hook(lambda *_: self.recorder.begin_forward()))
+            self._hooks.append(model.register_forward_hook(lambda *_: self.recorder.end_forward()))
+            self._hooks += attach_phase_hooks(model, self.recorder, [layer.name for layer in layers])
+
+        local_tensors = [t.stored(layer.module) for layer in layers for t in moving]
+        self.memory = MemoryReport(
+            full_expert_bytes=full_bytes,
+            local_expert_bytes=segment_layout.total_nbytes,
+            prefetch_buffer_bytes=config.num_buffers * slots.total_nbytes,
+            dense_bytes=dense_bytes(model, local_tensors),
+        )
+        log.info("rank %d/%d: %s backend, %s kernel, biases %s, %s", group.rank, group.size, backend,
+                 self.experts_kernel, self.expert_biases, self.memory)
+
+    @staticmethod
+    def _fill_local(index: int, layer: ExpertsLayer, segment: torch.Tensor, layout: SegmentLayout,
+                    local_ids: torch.Tensor, source: ExpertSource) -> None:
+        """Copy this rank's experts of `layer` into its segment and point the module at them; read the
+        tensors that stay on every rank too when the module does not hold them yet (meta skeleton)."""
+        spec = layer.spec
+        for t_index, tensor in enumerate(spec.moving):
+            view = tensor.views_in(segment, layout.tensor_offset(index, t_index), len(local_ids))  # [L, *shape]
+            src = source(layer.name, tensor.name, local_ids)
+            if tuple(src.shape) != tuple(view.shape):
+                raise ValueError(
+                    f"{layer.name}: expert source gave {tensor.name} of shape {tuple(src.shape)}, "
+                    f"expected {tuple(view.shape)}"
+                )
+            view.copy_(src)
+            # Dropping the stacked [E, ...] tensor frees the non-local experts.
+            tensor.replace(layer.module, view)
+        for tensor in spec.replicated:
+            if tensor.stored(layer.module).is_meta:
+                full = source(layer.name, tensor.name, torch.arange(spec.num_experts))  # [E, *shape]
+                tensor.replace(layer.module, full.reshape(tensor.stored_shape(spec.num_experts)).clone())
+
+    @property
+    def stats(self):
+        return self.prefetcher.stats
+
+    @property
+    def compiles_after_warmup(self) -> int | None:
+        """Experts-kernel specialisations compiled since `warmup()` (None before it): 0 while serving."""
+        at_warmup = getattr(self, "compiled_at_warmup", None)
+        return None if at_warmup is None else compiled_specialisations() - at_warmup
+
+    def warmup(self, forward: bool = True) -> float:
+        """Pay every first-call cost before serving; returns the seconds it took (also `warmup_s`).
+
+        The Triton experts kernel compiles a specialisation the first time a launch meets it, which
+        would stall whichever request met it first: every layer launches here in each form a forward
+        can launch it (all experts at once, and local experts first then the rest) with the routing's
+        top-k (or each form Triton distinguishes for it when the config does not say). forward: also run
+        one forward of a short random prompt (the model's own first-call costs: library handles, caches).
+        """
+        from dwdp.runtime.experts import warm_kernel
+
+        start = time.perf_counter()
+        embeddings = self.model.get_input_embeddings().weight  # [V, H]: the activations' dtype and device
+        calls = 0
+        if self.experts_kernel in ("triton", "triton_fp8"):
+            top_k = routing_top_k(self.model)
+            for layer in self.experts_layers:
+                for k in (top_k,) if top_k else TOP_K_FORMS:
+                    calls += warm_kernel(layer.module._dwdp_runtime, embeddings.dtype, k)
+        if forward:
+            ids = torch.randint(3, embeddings.shape[0], (1, 16), generator=torch.Generator().manual_seed(0))
+            with torch.no_grad():
+                self(input_ids=ids.to(embeddings.device))
+        if embeddings.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.compiled_at_warmup = compiled_specialisations()
+        self.warmup_s = time.perf_counter() - start
+        log.info("rank %d: warm in %.2f s (%d experts-kernel calls%s)", self.group.rank, self.warmup_s, calls,
+                 ", one forward" if forward else "")
+        return self.warmup_s
+
+    def check_peers(self) -> FailoverStatus:
+        """Read the peers' liveness now (forwards also do, as they start), re-plan around any loss,
+        and return what this rank knows: lost and stalled peers, re-plans, unservable experts."""
+        return self.prefetcher.poll_peers()
+
+    def inject_fault(self, rank: int, reason: str = "injected fault") -> None:
+        """Chaos testing: treat `rank`'s memory as unreadable from now on. On a peer, every copy from
+        `rank` fails (the transport's fault hook) and is retried elsewhere; on `rank` itself, its
+        device counts as lost, so its forwards fail and peers read that from its liveness record."""
+        if not 0 <= rank < self.group.size:
+            raise ValueError(f"rank={rank} is not in the DWDP group [0, {self.group.size})")
+        self.failover.inject_fault(rank, reason)
+
+    def close(self) -> None:
+        """Wait for copies in flight and release shared memory; the model is unusable afterwards."""
+        for hook in getattr(self, "_hooks", ()):
+            hook.remove()
+        self._hooks = []
+        try:
+            self.prefetcher.drain()
+        finally:
+            self._finalizer()
+            self._liveness_finalizer()
+            if self.recorder is not None:
+                self.trace_path = self.recorder.write()
+                self.recorder = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    @classmethod
+    def from_pretrained(cls, path, config: DWDPConfig | None = None, group: DWDPGroup | None = None, *,
+                        dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> "DWDPModel":
+        """One rank built from the safetensors checkpoint directory `path` (config.json + shards),
+        reading only the dense weights and this rank's local experts (dwdp.models.loading.CheckpointLoad).
+
+        config, group: as for DWDPModel (group None joins the torchrun world or a one-rank group).
+        dtype: the model's dtype (None: the checkpoint config's); tensors are cast on read.
+        The result has a `load_report` (dwdp.models.loading.LoadReport) besides `memory`.
+        """
+        from dwdp.models.loading import CheckpointLoad
+
+        load = CheckpointLoad(path, dtype, device)
+        try:
+            load.load_dense()
+            wrapped = cls(load.model, config, group, expert_source=load.expert_source)
+        finally:
+            load.close()
+        wrapped.load_report = load.report(wrapped.memory, wrapped.group.rank, wrapped.group.size)
+        return wrapped

@@ -1,0 +1,533 @@
+"""CUDA backend: peers' segments mapped into this process, copy-engine copies on a copy stream.
+
+Setup: each rank's local experts live in one device buffer (its segment). The rank exports it
+once (CUDA IPC on one node, or torch's symmetric memory across nodes), every peer maps it, and a
+rank reads its own segment through its own pointer (opening one's own IPC handle fails).
+
+Per layer, everything is ordered by events and the host never waits:
+  compute stream:  ... kernels reading slot s ... record consume[s]        (release_slot)
+  copy stream:     wait consume[s] -> batch 0 -> record ev[s][0] -> batch 1 -> record ev[s][1] ...
+  compute stream:  wait ev[s][b] (Ticket.wait / wait_experts) -> kernels reading slot s
+A layer's cached slice plan is cut into batches where experts complete (`plan.cut_batches`);
+each batch is one cudaMemcpyBatchAsync (or one cudaMemcpyAsync per copy), and the event after
+it tells compute that the experts it completes have landed. Inside a batch, a run of one peer's
+slices that continue each other is issued as one copy (`plan.coalesce`): slices from different
+peers still alternate copy by copy, and no copy costs the driver's per-copy work for nothing. The batches' copy arguments, the
+expert -> batch map and the batch events of a (plan, slot buffer) are built on its first submit
+and reused, so a later submit does no per-slice work on the host. Host waits (drain, close) poll
+the events against a deadline and name the peers still outstanding.
+
+Every device call goes through `api` (dwdp.runtime.transport.cuda_api by default), so tests drive this
+control logic with a recording fake on a CPU.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from dwdp.runtime.transport import cuda_api
+from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
+from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
+
+log = logging.getLogger("dwdp")
+
+
+@dataclass(frozen=True, eq=False)
+class _IssuedBatch:
+    """One batch of a plan with its addresses resolved for one (slot buffer, peer mapping).
+
+    copies: the api's prepared arguments (`prepare_batch`: dsts, srcs, sizes), built once and
+    issued as they are on every submit of the plan."""
+
+    copies: object
+    peers_of_copies: tuple[int, ...]  # source peer of each copy (names the peer of a failed copy)
+    peers: tuple[int, ...]
+    completes: tuple[int, ...]
+
+
+@dataclass(frozen=True, eq=False)
+class _PreparedPlan:
+    """What every submit of one plan into one slot buffer issues and hands its ticket, built on the
+    plan's first submit; later submits only enqueue it (no per-slice work on the host)."""
+
+    plan: CopyPlan
+    slot_ptr: int
+    batches: tuple[_IssuedBatch, ...]
+    expert_batch: Mapping[int, int]      # expert -> the batch that holds its last slice (read-only)
+    batch_peers: tuple[tuple[int, ...], ...]
+
+
+class CudaTicket:
+    """Completion of one plan on the copy stream: one event per batch.
+
+    `wait` / `wait_experts` make the caller's current stream wait on the right event and return
+    at once; `synchronize` is the host wait (polling, with a deadline).
+    """
+
+    def __init__(self, transport: "CudaTransport", plan: CopyPlan, events: tuple[int, ...],
+                 expert_batch: Mapping[int, int], batch_peers: tuple[tuple[int, ...], ...]):
+        self.plan = plan
+        self.error: BaseException | None = None
+        self.submitted_ns = time.perf_counter_ns()
+        self.finished_ns: int | None = self.submitted_ns if not plan.slices else None
+        self._transport = transport
+        self._events = events
+        self._expert_batch = expert_batch
+        self._batch_peers = batch_peers
+
+    def _where(self) -> str:
+        return f"rank {self.plan.rank}: prefetch of layer {self.plan.layer} into slot {self.plan.slot}"
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+    def _raise_if_failed(self) -> None:
+        if isinstance(self.error, PeerCopyError):
+            raise PeerCopyError(f"{self._where()} failed: {self.error}", self.error.peer) from self.error
+        if self.error is not None:
+            raise PrefetchError(f"{self._where()} failed: {self.error}") from self.error
+
+    def cancel(self, reason: str) -> None:
+        self._fail(PrefetchError(f"cancelled: {reason}"))
+
+    def quiesce(self, timeout: float) -> None:
+        """Copies of this ticket already enqueued run before any later copy on the same stream."""
+
+    def missing_experts(self) -> tuple[int, ...]:
+        """Every expert of the plan: an enqueued batch is not known to have landed until its event
+        completes, and the host must not ask (that would block), so a retry copies them all again."""
+        return tuple(sorted({s.expert for s in self.plan.slices}))
+
+    def _device_call(self, fn, *args, peers=None):
+        """Run one api call for this ticket; a CUDA error (often a sticky one from an earlier copy)
+        fails the ticket and names its peers."""
+        try:
+            return fn(*args)
+        except cuda_api.CudaError as exc:
+            peers = self.plan.peers if peers is None else peers
+            self._fail(exc)
+            raise PrefetchError(f"{self._where()} from peers {list(peers)} failed: {exc}") from exc
+
+    # -- compute side: enqueue, never block ----------------------------------------------------
+    def wait(self, timeout: float) -> float:
+        """The caller's current stream waits for every slice; returns 0.0 (nothing waited here)."""
+        self._raise_if_failed()
+        if self._events:
+            api = self._transport.api
+            self._device_call(api.stream_wait_event, api.current_stream(), self._events[-1])
+        return 0.0
+
+    def wait_experts(self, experts, timeout: float) -> float:
+        """The caller's current stream waits for the batch that completes the last of `experts`."""
+        self._raise_if_failed()
+        batches = [self._expert_batch[e] for e in experts if e in self._expert_batch]
+        if batches:
+            api = self._transport.api
+            self._device_call(api.stream_wait_event, api.current_stream(), self._events[max(batches)])
+        return 0.0
+
+    # -- host side: queries and deadline waits -------------------------------------------------
+    def done(self) -> bool:
+        self._raise_if_failed()
+        return not self._events or self._device_call(self._transport.api.event_query, self._events[-1])
+
+    def expert_ready(self, expert: int) -> bool:
+        self._raise_if_failed()
+        batch = self._expert_batch.get(expert)
+        return batch is None or self._device_call(self._transport.api.event_query, self._events[batch])
+
+    def landed_prefix(self, experts) -> int:
+        """How many of `experts`, in order, lie in batches whose events have completed (queried,
+        never waited on): the experts before the first one whose batch is still on the copy stream."""
+        self._raise_if_failed()
+        api, done_batches, count = self._transport.api, 0, 0
+        for e in experts:
+            batch = self._expert_batch.get(e, -1)
+            # Batches complete in stream order: query each one once, from the first onwards.
+            while done_batches <= batch and self._device_call(api.event_query, self._events[done_batches]):
+                done_batches += 1
+            if batch >= done_batches:
+                break
+            count += 1
+        return count
+
+    def synchronize(self, timeout: float) -> float:
+        """Block the host until every batch landed; PrefetchTimeout names the peers outstanding."""
+        self._raise_if_failed()
+        start = time.perf_counter()
+        if self._events:
+            api = self._transport.api
+            try:
+                self._device_call(api.event_wait, self._events[-1], timeout)
+            except TimeoutError:
+                outstanding = sorted({p for b, ev in enumerate(self._events)
+                                      if not self._device_call(api.event_query, ev) for p in self._batch_peers[b]})
+                raise PrefetchTimeout(
+                    f"{self._where()} not done after {timeout:.3g} s; source peers still outstanding: {outstanding}"
+                ) from None
+        self.finished_ns = time.perf_counter_ns()
+        return time.perf_counter() - start
+
+    def fence_before_reuse(self, timeout: float) -> None:
+        """Copies into one slot run in order on the copy stream: a later one cannot overtake this."""
+
+
+class CudaTransport(Transport):
+    """The `cuda` backend of the Transport interface (see the module docstring).
+
+    rank: this rank's index in the DWDP group. device: the CUDA device of the model.
+    copy: "batch" or "memcpy" (DWDPConfig.cuda_copy); copy_batches: most batches per plan.
+    mapping: "ipc" or "symmetric_memory"; process_group: needed by "symmetric_memory"; "process": every
+    rank of the group lives in this process (`dwdp tune`, tests), a peer's segment is read through
+    its own pointer (with peer access enabled between devices).
+    prefer_overlap: the PreferOverlapWithCompute hint on batches. api: the cuda_api module or a fake.
+    """
+
+    name = "cuda"
+
+    def __init__(self, rank: int, device: torch.device | str | int = "cuda", *, copy: str = "batch",
+                 copy_batches: int = 4, mapping: str = "ipc", process_group=None, prefer_overlap: bool = True,
+                 close_timeout_s: float = 60.0, api=cuda_api):
+        if copy not in ("batch", "memcpy"):
+            raise ValueError(f"copy={copy!r} must be 'batch' or 'memcpy'")
+        if mapping not in ("ipc", "symmetric_memory", "process"):
+            raise ValueError(f"mapping={mapping!r} must be 'ipc', 'symmetric_memory' or 'process'")
+        self.api = api
+        api.require()
+        self.rank = rank
+        self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+        if self.device.type == "cuda":
+            api.set_device(self.device.index or 0)
+        self.mapping, self.process_group = mapping, process_group
+        self.copy_batches, self.prefer_overlap, self.close_timeout_s = copy_batches, prefer_overlap, close_timeout_s
+        self.copy = copy
+        if copy == "batch" and not api.has_memcpy_batch():
+            log.warning("rank %d: cudaMemcpyBatchAsync is not available (CUDA < 12.8); one cudaMemcpyAsync per slice",
+                        rank)
+            self.copy = "memcpy"
+        self._segment: torch.Tensor | None = None
+        self._symmetric = None
+        self._peer_ptrs: list[int] = []
+        self._peer_nbytes: list[int] = []
+        self._opened: list[int] = []           # IPC bases this rank opened, closed exactly once
+        self._peer_bases: dict[int, int] = {}  # peer -> the IPC base opened for it
+        self._stream: int | None = None
+        self._consume: dict[int, int] = {}      # slot -> consume event
+        self._slot_events: dict[int, tuple[int, ...]] = {}  # slot -> one event per batch
+        self._prepared_plans: dict[tuple[int, int, int], _PreparedPlan] = {}  # (layer, slot, slot ptr)
+        self._forgotten: set[int] = set()        # lost peers no copy may read any more
+        self._unmap_after: list[tuple[int, int]] = []  # (IPC base, fence event on the copy stream)
+        self._closed = False
+        self.recorder = None  # copy slices have no host lane on this backend: see NVTX / Nsight instead
+
+    # -- setup ---------------------------------------------------------------------------------
+    def alloc_segment(self, nbytes: int) -> torch.Tensor:
+        if self._segment is not None:
+            raise RuntimeError(f"rank {self.rank}: segment already allocated")
+        if self.mapping == "symmetric_memory":
+            symm = _symmetric_memory_module()
+            self._segment = symm.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
+        else:
+            self._segment = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
+        return self._segment
+
+    def register(self) -> dict:
+        if self._segment is None:
+            raise RuntimeError(f"rank {self.rank}: register() before alloc_segment()")
+        # Peers read the segment from their own streams: its fill must be complete first.
+        self.api.device_synchronize()
+        handle = {"backend": self.name, "rank": self.rank, "mapping": self.mapping,
+                  "nbytes": self._segment.numel(), "host": socket.gethostname(), "device": self.device.index or 0}
+        if self.mapping == "ipc":
+            handle["ipc"], handle["offset"] = self.api.ipc_export(self._segment.data_ptr())
+        elif self.mapping == "process":
+            handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
+        return handle
+
+    def open(self, handles: list[dict]) -> None:
+        if self._peer_ptrs:
+            raise RuntimeError(f"rank {self.rank}: open() called twice")
+        for r, handle in enumerate(handles):
+            if handle.get("backend") != self.name or handle.get("mapping") != self.mapping:
+                raise ValueError(f"rank {self.rank}: peer {r} uses backend {handle.get('backend')!r} with mapping "
+                                 f"{handle.get('mapping')!r}, expected 'cuda' with {self.mapping!r}")
+        try:
+            if self.mapping == "ipc":
+                ptrs = self._open_ipc(handles)
+            elif self.mapping == "process":
+                ptrs = self._open_process(handles)
+            else:
+                ptrs = self._open_symmetric(handles)
+            self._stream = self.api.stream_create()
+        except BaseException:
+            self._close_mappings()
+            raise
+        self._peer_ptrs = ptrs
+        self._peer_nbytes = [int(h["nbytes"]) for h in handles]
+        log.info("rank %d: cuda transport on %s, peers mapped through %s (%s copies, up to %d batches per layer)",
+                 self.rank, self.device, self.mapping, self.copy, self.copy_batches)
+
+    def _open_ipc(self, handles: list[dict]) -> list[int]:
+        ptrs = []
+        for r, handle in enumerate(handles):
+            if r == self.rank:
+                ptrs.append(self._segment.data_ptr())  # one's own IPC handle cannot be opened
+                continue
+            try:
+                base = self.api.ipc_open(handle["ipc"])
+            except (cuda_api.CudaError, ValueError) as exc:
+                raise PrefetchError(
+                    f"rank {self.rank}: cannot map the segment of peer {r} (host {handle.get('host')}, device "
+                    f"{handle.get('device')}): {exc}"
+                ) from exc
+            self._opened.append(base)
+            self._peer_bases[r] = base
+            ptrs.append(base + int(handle["offset"]))
+        return ptrs
+
+    def _open_process(self, handles: list[dict]) -> list[int]:
+        own = self.device.index or 0
+        for r, handle in enumerate(handles):
+            if handle.get("pid") != os.getpid():
+                raise ValueError(f"rank {self.rank}: peer {r}'s segment belongs to process {handle.get('pid')}, "
+                                 f"not this one ({os.getpid()}); mapping='process' holds every rank in one process")
+            device = int(handle["device"])
+            if self.device.type == "cuda" and device != own and self.api.can_access_peer(own, device):
+                self.api.enable_peer_access(device)  # copies between the devices go over their link
+        return [int(h["ptr"]) for h in handles]
+
+    def _open_symmetric(self, handles: list[dict]) -> list[int]:
+        symm = _symmetric_memory_module()
+        if self.process_group is None:
+            raise ValueError(f"rank {self.rank}: mapping='symmetric_memory' needs the DWDP group's process group")
+        self._symmetric = symm.rendezvous(self._segment, self.process_group)
+        return [int(p) for p in self._symmetric.buffer_ptrs]
+
+    def seal(self) -> None:
+        """Nothing to unlink: an IPC export is not a name in a file system."""
+
+    def alloc_slot(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
+
+    # -- copies --------------------------------------------------------------------------------
+    def _consume_event(self, slot: int) -> int:
+        event = self._consume.get(slot)
+        if event is None:
+            event = self._consume[slot] = self.api.event_create()
+            # Until a reader releases the slot, its first copy is ordered after everything the
+            # compute stream has issued so far (e.g. whatever allocated the slot).
+            self.api.event_record(event, self.api.current_stream())
+        return event
+
+    def _batch_events(self, slot: int, count: int) -> tuple[int, ...]:
+        """The first `count` batch events of `slot` (created on first need, then reused: a later
+        record of an event supersedes the earlier one, as the copies into a slot run in order)."""
+        events = self._slot_events.get(slot)
+        if events is None or len(events) < count:
+            events = list(events or ())
+            while len(events) < count:
+                events.append(self.api.event_create())
+            self._slot_events[slot] = events = tuple(events)
+        return events if len(events) == count else events[:count]
+
+    def _prepared(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> _PreparedPlan:
+        """The issue-ready form of `plan` into `slot_buffer`, built on its first submit and reused.
+
+        One entry per (layer, slot, slot buffer): a new plan for the same layer and slot (sources
+        re-planned after a loss, a retry of the unfinished experts) replaces it, so the cache stays
+        as small as the set of plans in use."""
+        slot_ptr = slot_buffer.data_ptr()
+        key = (plan.layer, plan.slot, slot_ptr)
+        prepared = self._prepared_plans.get(key)
+        if prepared is not None and prepared.plan is plan:
+            return prepared
+        prepared = self._prepare(plan, slot_buffer)
+        self._prepared_plans[key] = prepared
+        return prepared
+
+    def _prepare(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> _PreparedPlan:
+        """Check every slice's addresses once and build each batch's copy arguments."""
+        dst_base, dst_nbytes = slot_buffer.data_ptr(), slot_buffer.numel()
+        for s in plan.slices:
+            if s.peer == self.rank or not 0 <= s.peer < len(self._peer_ptrs):
+                raise ValueError(f"rank {self.rank}: plan of layer {plan.layer} copies from peer {s.peer}, expected "
+                                 f"another rank of the group [0, {len(self._peer_ptrs)})")
+            if s.nbytes < 1 or s.dst_offset < 0 or s.dst_offset + s.nbytes > dst_nbytes:
+                raise ValueError(f"rank {self.rank}: slice {s} of layer {plan.layer} does not fit the slot "
+                                 f"({dst_nbytes} bytes)")
+            if s.src_offset < 0 or s.src_offset + s.nbytes > self._peer_nbytes[s.peer]:
+                raise ValueError(f"rank {self.rank}: slice {s} of layer {plan.layer} reads past the segment of "
+                                 f"peer {s.peer} ({self._peer_nbytes[s.peer]} bytes)")
+        batches = []
+        for batch in cut_batches(plan, self.copy_batches):
+            # One copy per run of a peer's contiguous slices: fewer copies, the same bytes, and the
+            # round-robin interleaving of peers untouched (plan.coalesce).
+            chunk = coalesce(plan.slices[batch.start : batch.stop])
+            copies = self.api.prepare_batch([dst_base + dst for _, _, dst, _ in chunk],
+                                            [self._peer_ptrs[peer] + src for peer, src, _, _ in chunk],
+                                            [n for *_, n in chunk], self.prefer_overlap)
+            batches.append(_IssuedBatch(copies, tuple(c[0] for c in chunk), batch.peers, batch.completes))
+        expert_batch = MappingProxyType({e: b for b, batch in enumerate(batches) for e in batch.completes})
+        return _PreparedPlan(plan, dst_base, tuple(batches), expert_batch, tuple(b.peers for b in batches))
+
+    def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> CudaTicket:
+        if self._closed:
+            raise RuntimeError(f"rank {self.rank}: submit() on a closed transport")
+        if not self._peer_ptrs:
+            raise RuntimeError(f"rank {self.rank}: submit() before open()")
+        if slot_buffer.dtype != torch.uint8 or not slot_buffer.is_contiguous():
+            raise ValueError(f"slot_buffer must be a contiguous uint8 tensor, got {slot_buffer.dtype}")
+        if self._unmap_after:
+            self._unmap_landed()
+        prepared = self._prepared(plan, slot_buffer)
+        batches = prepared.batches
+        api, stream = self.api, self._stream
+        events = self._batch_events(plan.slot, len(batches))
+        ticket = CudaTicket(self, plan, events, prepared.expert_batch, prepared.batch_peers)
+        if not batches:
+            return ticket
+        try:
+            # Write after read: the slot's previous readers must be done before the first copy.
+            api.stream_wait_event(stream, self._consume_event(plan.slot))
+            for batch, event in zip(batches, events):
+                self._issue(batch, stream)
+                api.event_record(event, stream)
+        except (cuda_api.CudaError, PrefetchError) as exc:
+            error = exc if isinstance(exc, PrefetchError) else PrefetchError(
+                f"rank {self.rank}: prefetch of layer {plan.layer} into slot {plan.slot} from peers "
+                f"{list(plan.peers)}: {exc}")
+            log.error("%s", error)
+            ticket._fail(error)
+        return ticket
+
+    def _issue(self, batch: _IssuedBatch, stream: int) -> None:
+        for peer in batch.peers:  # the fault hook and lost peers: refused before anything is enqueued
+            if peer in self._forgotten:
+                raise PeerCopyError(f"rank {self.rank}: peer {peer} was lost and its mapping released", peer)
+            try:
+                self._check_readable(peer)
+            except PeerUnreadable as exc:
+                raise PeerCopyError(str(exc), peer) from exc
+        try:
+            if self.copy == "batch":
+                self.api.memcpy_prepared_batch(batch.copies, stream)
+            else:
+                copies = batch.copies
+                for dst, src, n in zip(copies.dsts, copies.srcs, copies.sizes):
+                    self.api.memcpy_async(dst, src, n, stream)
+        except cuda_api.CudaError as exc:
+            index = getattr(exc, "fail_index", None)
+            if index is None:
+                raise PrefetchError(f"rank {self.rank}: a copy from peers {list(batch.peers)} failed to enqueue: "
+                                    f"{exc}") from exc
+            peer = batch.peers_of_copies[index]
+            raise PeerCopyError(f"rank {self.rank}: copy {index} from peer {peer} failed to enqueue: {exc}",
+                                peer) from exc
+
+    def forget_peer(self, peer: int) -> None:
+        """Refuse copies from `peer` from now on and close its IPC mapping once the copies already
+        enqueued from it have run (a fence on the copy stream, checked without blocking)."""
+        if peer == self.rank or not 0 <= peer < len(self._peer_ptrs):
+            raise ValueError(f"rank {self.rank}: cannot forget peer {peer}; expected another rank of "
+                             f"[0, {len(self._peer_ptrs)})")
+        if peer in self._forgotten:
+            return
+        self._forgotten.add(peer)
+        base = self._peer_bases.get(peer)
+        if base is not None and self._stream is not None:
+            fence = self.api.event_create()
+            self.api.event_record(fence, self._stream)
+            self._unmap_after.append((base, fence))
+        self._unmap_landed()
+
+    def _unmap_landed(self) -> None:
+        """Close the mappings of forgotten peers whose fence has completed."""
+        waiting = []
+        for base, fence in self._unmap_after:
+            try:
+                landed = self.api.event_query(fence)
+            except cuda_api.CudaError:
+                landed = False  # a sticky error: leave the mapping to close()
+            if not landed:
+                waiting.append((base, fence))
+                continue
+            self.api.event_destroy(fence)
+            self._opened.remove(base)
+            self.api.ipc_close(base)
+        self._unmap_after = waiting
+
+    def release_slot(self, slot: int) -> None:
+        """Record the slot's consume event on the compute stream, after the reads just issued."""
+        if self._closed:
+            return
+        event = self._consume.get(slot)
+        if event is None:
+            event = self._consume[slot] = self.api.event_create()
+        self.api.event_record(event, self.api.current_stream())
+
+    # -- teardown ------------------------------------------------------------------------------
+    def _close_mappings(self) -> None:
+        opened, self._opened = self._opened, []
+        for base in opened:
+            try:
+                self.api.ipc_close(base)
+            except cuda_api.CudaError as exc:
+                log.error("rank %d: closing a peer mapping at %#x failed: %s", self.rank, base, exc)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        drained = True
+        if self._stream is not None:
+            try:
+                fence = self.api.event_create()
+                self.api.event_record(fence, self._stream)
+                self.api.event_wait(fence, self.close_timeout_s)
+                self.api.event_destroy(fence)
+            except (cuda_api.CudaError, TimeoutError) as exc:
+                drained = False
+                log.error("rank %d: copies still in flight at close (%s); peer mappings are left to process exit",
+                          self.rank, exc)
+        if drained:
+            # Unmapping a peer's segment under a running copy would fault it: only once drained.
+            self._close_mappings()
+        else:
+            self._opened = []
+        fences = [fence for _, fence in self._unmap_after]
+        self._unmap_after = []
+        for event in [*self._consume.values(), *(e for evs in self._slot_events.values() for e in evs), *fences]:
+            try:
+                self.api.event_destroy(event)
+            except cuda_api.CudaError:
+                pass
+        self._consume, self._slot_events, self._prepared_plans = {}, {}, {}
+        if self._stream is not None and drained:
+            try:
+                self.api.stream_destroy(self._stream)
+            except cuda_api.CudaError:
+                pass
+        self._stream = None
+        self._peer_ptrs, self._segment, self._symmetric = [], None, None
+
+
+def _symmetric_memory_module():
+    try:
+        from torch.distributed import _symmetric_memory as symm
+    except ImportError as exc:
+        raise RuntimeError(
+            f"cuda_mapping='symmetric_memory' (multi-node NVLink) needs torch.distributed._symmetric_memory, "
+            f"which torch {torch.__version__} does not have; run the group on one node (cuda_mapping='ipc')"
+        ) from exc
+    if not hasattr(symm, "rendezvous") or not hasattr(symm, "empty"):
+        raise RuntimeError(f"torch {torch.__version__}'s _symmetric_memory lacks empty/rendezvous; "
+                           "use cuda_mapping='ipc' on one node")
+    return symm
