@@ -2,6 +2,8 @@
 
 The Triton kernels need triton and a CUDA device (or TRITON_INTERPRET=1 on CPU); importing this
 package needs neither, and the references run anywhere.
+
+May import: the leaves `dwdp.envs` and `dwdp.versions` only; the kernels know nothing of models or ranks.
 """
 from dwdp.kernels.block_scales import BlockQuant, dequantize, quantize_fp8, quantize_mxfp4
 from dwdp.kernels.grouped_gemm import (

@@ -21,12 +21,21 @@ def test_every_package_of_the_tree_is_listed():
     assert listed == _source_packages(), (sorted(_source_packages() - listed), sorted(listed - _source_packages()))
 
 
+def _package_dir(package: str) -> Path:
+    """The source directory of `package` (dwdp.kernels ships from kernels/, see package-dir)."""
+    if package == "dwdp.kernels" or package.startswith("dwdp.kernels."):
+        return ROOT / "kernels" / Path(*package.split(".")[2:])
+    return ROOT / Path(*package.split("."))
+
+
 def test_every_data_file_is_package_data():
-    # package -> its source directory (dwdp.kernels ships from kernels/, see package-dir)
-    for package, directory in (("dwdp", ROOT / "dwdp"), ("dwdp.kernels", ROOT / "kernels")):
-        patterns = _setuptools()["package-data"][package]
-        data_files = [p for p in directory.rglob("*.json")]
-        assert data_files, package
-        for path in data_files:
-            rel = path.relative_to(directory)
-            assert any(rel.match(pattern) for pattern in patterns), (package, str(rel), patterns)
+    package_data = _setuptools()["package-data"]
+    packages = sorted(_source_packages(), key=lambda p: -len(_package_dir(p).parts))
+    data_files = [*(ROOT / "dwdp").rglob("*.json"), *(ROOT / "kernels").rglob("*.json")]
+    assert data_files
+    for path in data_files:
+        # the innermost package holding the file ships it
+        package = next(p for p in packages if path.is_relative_to(_package_dir(p)))
+        rel = path.relative_to(_package_dir(package))
+        patterns = package_data.get(package, [])
+        assert any(rel.match(pattern) for pattern in patterns), (package, str(rel), patterns)
