@@ -286,3 +286,18 @@ def test_peers_are_named_with_their_state():
         child.kill()
         child.wait()
     assert process_state(child.pid) == "exited"
+
+
+def test_a_peer_that_is_exiting_counts_as_exited():
+    """Regression: a SIGKILLed DEP peer resets its sockets before it is a zombie; the survivor's
+    message must already name it exited, not "every peer is alive"."""
+    from dwdp.serve.dep_worker import PF_EXITING, state_from_stat
+
+    def stat(state: str, flags: int) -> str:
+        return f"4242 (python (x)) {state} 1 4242 4242 0 -1 {flags} 0 0 0 0 12 3 0 0 20 0 1 0"
+
+    assert state_from_stat(stat("R", 0x400000)) == "alive"
+    assert state_from_stat(stat("R", 0x400000 | PF_EXITING)) == "exited"
+    assert state_from_stat(stat("D", PF_EXITING)) == "exited"
+    assert state_from_stat(stat("Z", 0)) == "exited"
+    assert state_from_stat(stat("T", 0)) == "stopped"

@@ -50,20 +50,34 @@ class DEPGroupBroken(RuntimeError):
     """A step could not complete on every rank; the message names the step and the peers."""
 
 
+PF_EXITING = 0x4  # /proc/<pid>/stat flags: set as a process starts to exit, before it closes its sockets
+
+
+def state_from_stat(stat: str) -> str:
+    """'exited', 'stopped' or 'alive' from the text of /proc/<pid>/stat.
+
+    A SIGKILLed peer closes its sockets while it exits, before it becomes a zombie: a step that fails
+    on the reset connection must already see that peer as exited, so PF_EXITING counts as exited."""
+    fields = stat.rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, pgrp, session, tty, tpgid, flags
+    state, flags = fields[0], int(fields[6])
+    if flags & PF_EXITING:
+        return "exited"
+    return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state, "alive")
+
+
 def process_state(pid: int) -> str:
-    """'exited' (gone, or a zombie not reaped yet), 'stopped' (SIGSTOP, a debugger) or 'alive'."""
+    """'exited' (gone, exiting, or a zombie not reaped yet), 'stopped' (SIGSTOP, a debugger) or 'alive'."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
+            return state_from_stat(f.read())
     except FileNotFoundError:
         return "exited"
-    except (OSError, IndexError):  # no procfs: only existence can be read
+    except (OSError, IndexError, ValueError):  # no procfs: only existence can be read
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
             return "exited"
         return "alive"
-    return {"Z": "exited", "X": "exited", "T": "stopped", "t": "stopped"}.get(state, "alive")
 
 
 def describe_peers(rank: int, pids: list[int]) -> str:
