@@ -1,7 +1,7 @@
 """DWDP serving against DEP serving under the same open-loop load: a thin entry point for
 `dwdp bench serve`.
 
-    PYTHONPATH=. python bench/serve_compare.py                          # the README's sweep
+    PYTHONPATH=. python bench/serve_compare.py                          # the sweep of docs/dwdp-or-dep.md
     PYTHONPATH=. python bench/serve_compare.py --rates 2,4 --duration 5 --isl-cv 0   # a quick look
 
 The logic lives in dwdp/benchmarks/serving.py so the installed package has it too.

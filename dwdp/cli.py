@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                       help="cpu (host backend) or cuda: rank r on cuda:(r %% GPUs), cuda backend, bf16 (default cpu)")
     families = sub.add_parser("families", help="the MoE families of the installed transformers and how dwdp wraps each")
-    families.add_argument("--markdown", action="store_true", help="print the README's family block")
+    families.add_argument("--markdown", action="store_true", help="print the family table block of docs/models.md, markers included")
     tune = sub.add_parser("tune", help="measure copy bandwidth and layer compute here; recommend a DWDPConfig")
     source = tune.add_mutually_exclusive_group()
     source.add_argument("--model", metavar="PATH", help="local model directory (its config.json; random weights)")
@@ -236,11 +236,11 @@ def main(argv: list[str] | None = None) -> int:
             print(exc, file=sys.stderr)
             return 2
     if args.command == "families":
-        from dwdp.runtime.coverage import README_BEGIN, README_END, all_families, markdown
+        from dwdp.runtime.coverage import TABLE_BEGIN, TABLE_END, all_families, markdown
 
         rows = all_families()
         if args.markdown:
-            print(f"{README_BEGIN}\n{markdown(rows)}\n{README_END}")
+            print(f"{TABLE_BEGIN}\n{markdown(rows)}\n{TABLE_END}")
         else:
             for r in rows:
                 outcome = "wraps" if r.wraps else "refused" if r.built else "not built"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from dwdp.runtime.coverage import readme_block
+from dwdp.runtime.coverage import TABLE_PAGE, table_block
 from dwdp.models.families import moe_families
 from dwdp.versions import FLOORS, _release
 
@@ -35,8 +35,8 @@ NOT_IN_OLDEST = frozenset({
 
 
 def pinned_families() -> list[str]:
-    """The MoE families of the pinned release: the rows of the README's family table, generated on it."""
-    block = readme_block((ROOT / "README.md").read_text())
+    """The MoE families of the pinned release: the rows of the family table (docs/models.md), generated on it."""
+    block = table_block((ROOT / TABLE_PAGE).read_text())
     rows = [line.split("|")[1].strip() for line in block.splitlines() if line.startswith("| ")]
     return [r for r in rows if r != "family"]
 

@@ -7,7 +7,7 @@ pulled experts merged by a D2D copy, one copy per expert (no slicing).
 
 The DEP4 column is what bench/calibrate.py fits six constants to, so matching it only shows the fit
 converged; the DWDP4 column is predicted from those constants, the interference model and the hardware
-data (structural choices were made with it in view: README "Performance model").
+data (structural choices were made with it in view: docs/performance-model.md).
 """
 import dataclasses
 import importlib.util

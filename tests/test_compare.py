@@ -1,4 +1,4 @@
-"""`dwdp bench compare` end to end on a tiny configuration: every ratio the README quotes follows from
+"""`dwdp bench compare` end to end on a tiny configuration: every ratio docs/dwdp-or-dep.md quotes follows from
 the per-rank figures in the JSON, and the bytes held and copied match sizes worked out by hand."""
 import json
 import subprocess

@@ -16,7 +16,7 @@ import transformers
 
 from dwdp.models.adapters import Unsupported, find_experts
 from dwdp.runtime.config import DWDPConfig
-from dwdp.runtime.coverage import coverage_of, markdown, not_built, readme_block, table_version
+from dwdp.runtime.coverage import TABLE_PAGE, coverage_of, markdown, not_built, table_block, table_version
 from dwdp.models.families import moe_families
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
@@ -117,7 +117,7 @@ def sweep():
 def test_families_are_discovered_from_transformers():
     absent = absent_here()
     missing = sorted(set(pinned_families()) - set(FAMILIES) - set(absent))
-    assert not missing, (f"families of transformers {PINNED_VERSION} (README table) not discovered in "
+    assert not missing, (f"families of transformers {PINNED_VERSION} (family table) not discovered in "
                          f"{transformers.__version__}: {missing}")
     assert len(FAMILIES) >= 70 - len(absent), f"only {len(FAMILIES)} MoE families found: {FAMILIES}"
     for known in ("gpt_oss", "mixtral", "llama4", "dbrx", "longcat_flash", "qwen3_vl_moe", "step3p7", "doge"):
@@ -172,14 +172,14 @@ def test_sweep_fits_its_time_budget(sweep):
 
 
 @pytest.mark.timeout(450)
-def test_readme_family_table_is_generated(sweep):
+def test_docs_family_table_is_generated(sweep):
     ranks, _ = sweep
     rows = [ranks[0]["results"][f]["coverage"] for f in FAMILIES]
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    generated_with = table_version(readme)
+    page = (Path(__file__).parent.parent / TABLE_PAGE).read_text()
+    generated_with = table_version(page)
     if generated_with != transformers.__version__:
-        pytest.skip(f"the README's family table is for transformers {generated_with}; this is "
+        pytest.skip(f"the family table of {TABLE_PAGE} is for transformers {generated_with}; this is "
                     f"{transformers.__version__} (the constraints file pins the table's version)")
-    assert readme_block(readme) == markdown(rows), (
-        "README family table is stale: regenerate it with `dwdp families --markdown`"
+    assert table_block(page) == markdown(rows), (
+        f"the family table of {TABLE_PAGE} is stale: paste `dwdp families --markdown` over its block"
     )

@@ -1,5 +1,5 @@
 """On a CUDA GPU (skipped without one; `pytest -m gpu` runs these alone): the compiled experts kernel
-against the unwrapped model for every family the README's table puts on the Triton path, a 2-rank
+against the unwrapped model for every family the family table (docs/models.md) puts on the Triton path, a 2-rank
 DWDPModel on the cuda backend (both ranks on one GPU when there is only one) against the unwrapped
 model with no kernel compile after warm-up, `dwdp demo --device cuda`, and `dwdp serve --device cuda`
 answering the openai client. bf16 everywhere, held to the bound gpu_check and the demo use: the bf16
@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
 
 def _triton_families() -> list[str]:
-    """Families whose experts run the Triton kernel on CUDA, as the README's table generator finds them."""
+    """Families whose experts run the Triton kernel on CUDA, as the family table's generator finds them."""
     if not torch.cuda.is_available():
         return ["mixtral"]  # collected only; skipped without a GPU
     from dwdp.runtime.coverage import all_families

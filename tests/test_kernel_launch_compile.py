@@ -175,7 +175,7 @@ def test_transposed_biased_launches_compile_with_wgmma(recorder):
     """Weights stored [in, out] (read transposed, Llama 4 / gpt-oss), biases, clamped SwiGLU with a
     gain and an up offset. The only scalar loads allowed are the bias rows, a few per tile; the weight
     tiles must still stream (through descriptors over the [in, out] storage on Hopper) into wgmma. (gpt-oss also interleaves its gate and up
-    rows; those strided columns are loaded 2 bytes at a time today: see the README's kernel notes.)"""
+    rows; those strided columns are loaded 2 bytes at a time today: see docs/limitations.md.)"""
     from dwdp.kernels import Epilogue
 
     gen = torch.Generator().manual_seed(5)

@@ -112,8 +112,8 @@ def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
 class DWDPModel(ModelWrapper):
     """One rank of a DWDP group around `model`, called exactly like `model`.
 
-    model: a transformers 5 MoE model (any family whose experts dwdp.models.adapters finds: see the README's
-        family table), on the CPU (host backend) or on this rank's CUDA device (cuda backend); it is
+    model: a transformers 5 MoE model (any family whose experts dwdp.models.adapters finds: see the family
+        table of docs/models.md), on the CPU (host backend) or on this rank's CUDA device (cuda backend); it is
         modified in place (its non-local experts are freed).
     config: DWDPConfig, or the path of one saved as JSON (`dwdp tune` writes one); group_size None
         means the whole DWDP group passed in `group`.
