@@ -124,6 +124,13 @@ def _subparsers(parser) -> dict:
     return {}
 
 
+def _no_abbreviations(parser) -> None:
+    """A page must spell every flag whole: argparse would take `--slice-size` for `--slice-sizes`."""
+    parser.allow_abbrev = False
+    for sub in _subparsers(parser).values():
+        _no_abbreviations(sub)
+
+
 def parse_problem(command: str) -> str | None:
     """None when `command` parses with the CLI; else argparse's complaint. A command made only of
     subcommand names (`dwdp tune-kernel`, `dwdp bench`, `dwdp bench ...`) names that command and is
@@ -133,6 +140,7 @@ def parse_problem(command: str) -> str | None:
         argv = argv[:-1]
     argv = ["1" if PLACEHOLDER.match(word) else word for word in argv]
     parser = build_parser()
+    _no_abbreviations(parser)
     walker = parser
     for word in argv:
         choices = _subparsers(walker)
@@ -238,6 +246,7 @@ def test_the_checker_sees_what_it_must():
         "1-the-technique-distributed-weight-data-parallelism-dwdp")
     assert parse_problem("dwdp serve --ranks 2 --no-such-flag") is not None
     assert parse_problem("dwdp serve --mode neither") is not None
+    assert parse_problem("dwdp tune --slice-size 4096") is not None  # --slice-sizes, abbreviated
     assert parse_problem("dwdp demo --ranks N --trace <DIR>") is None
     assert parse_problem("dwdp demo --help") is None
     assert parse_problem("dwdp bench ...") is None
