@@ -8,10 +8,12 @@ The logic lives in dwdp/benchmarks/serving.py so the installed package has it to
 """
 import argparse
 import sys
+from pathlib import Path
 
 from dwdp.benchmarks.serving import add_arguments, run_bench_serve
 
 if __name__ == "__main__":
     formatter = argparse.RawDescriptionHelpFormatter
-    parser = add_arguments(argparse.ArgumentParser(description=__doc__, formatter_class=formatter))
+    parser = add_arguments(argparse.ArgumentParser(description=__doc__, formatter_class=formatter),
+                           results_dir=str(Path(__file__).resolve().parent / "results"))
     sys.exit(run_bench_serve(parser.parse_args()))

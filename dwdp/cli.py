@@ -1,8 +1,20 @@
-"""The `dwdp` command line."""
+"""The `dwdp` command line.
+
+The base install (`pip install -e .`) runs `dwdp demo`, `families`, `tune`, `tune-kernel` and every
+`--help`; a subcommand that needs an extra imports it only when it runs, and without it says which
+extra in one line and exits 2 before doing any work. Every one-line refusal exits 2.
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+# The modules of each extra of pyproject.toml that a subcommand imports (a test keeps them in step).
+EXTRA_MODULES = {
+    "serve": ("fastapi", "uvicorn", "httpx", "prometheus_client"),
+    "bench": ("matplotlib", "openai"),
+}
 
 
 def _positive_int(text: str) -> int:
@@ -141,15 +153,58 @@ def _int_list(flag: str, text: str, low: int) -> list[int]:
     return values
 
 
+def extras_needed(args) -> tuple[str, ...]:
+    """The extras of pyproject.toml this parsed command line imports when it runs."""
+    if args.command == "serve":
+        return ("serve",)
+    if args.command == "bench" and args.bench == "serve":
+        return ("bench",) if args.stored else ("serve", "bench")  # --from only recomputes and plots
+    if args.command == "bench":
+        return ("bench",)
+    return ()
+
+
+def missing_extra(command: str, extras: tuple[str, ...]) -> str | None:
+    """One line naming the first module of `extras` that does not import, and the install that
+    brings it; None when all do."""
+    for extra in extras:
+        for module in EXTRA_MODULES[extra]:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                return f"{command} needs {module}: pip install -e '.[{','.join(extras)}]'"
+    return None
+
+
+def _model_config(command: str, path: str):
+    """config.json of the local model directory `path`, or SystemExit with one line."""
+    from pathlib import Path
+
+    if not (Path(path) / "config.json").is_file():
+        what = "is not a directory" if not Path(path).is_dir() else "has no config.json"
+        raise SystemExit(f"{command}: --model {path} {what}: expected a local model directory with a config.json")
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"{command}: --model {path}: config.json does not load: {str(exc).splitlines()[0]}") from None
+
+
 def _tune(args) -> int:
     import json
 
     from dwdp.tune.recommend import TUNE_DEFAULTS, resolve_tune_backend, run_tune
 
-    if args.model:
-        from transformers import AutoConfig
+    if args.backend == "cuda":
+        from dwdp.runtime.devices import NoGpu, require_gpu
 
-        model_config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+        try:
+            require_gpu("dwdp tune", flag="--backend cuda", instead="--backend host")
+        except NoGpu as exc:
+            raise SystemExit(str(exc)) from None
+    if args.model:
+        model_config = _model_config("dwdp tune", args.model)
     else:
         from dwdp.models.demo_model import DEMO_MODEL
         from dwdp.models.tiny import tiny_config
@@ -189,9 +244,7 @@ def _tune_kernel(args) -> int:
         from dwdp.predict.costmodel.models import ModelSpec, preset_config
 
         if args.model:
-            from transformers import AutoConfig
-
-            model_config = AutoConfig.from_pretrained(args.model, local_files_only=True)
+            model_config = _model_config("dwdp tune-kernel", args.model)
         else:
             try:
                 model_config = preset_config(args.preset)
@@ -218,6 +271,22 @@ def _tune_kernel(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = " ".join(["dwdp", args.command] + ([args.bench] if args.command == "bench" else []))
+    line = missing_extra(command, extras_needed(args))
+    if line:
+        print(line, file=sys.stderr)
+        return 2
+    try:
+        return _run(args)
+    except SystemExit as exc:
+        if not isinstance(exc.code, str):
+            raise
+        # A one-line refusal of bad input: exit 2, as argparse does for the flags it checks itself.
+        print(exc.code, file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     if args.command == "demo":
         from dwdp.demo import run_demo
 

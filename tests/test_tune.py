@@ -75,19 +75,11 @@ def test_tune_end_to_end_follows_its_own_measurements(tmp_path):
     assert data["hidden"] == bool(hiding) and data["t_compute_s"] > 0, data
 
 
-def test_tune_rejects_bad_slice_sizes(tmp_path):
-    with pytest.raises(SystemExit, match="--slice-sizes='4k'"):
-        main(["tune", "--family", "mixtral", "--slice-sizes", "4k", "--out", str(tmp_path / "x.json")])
-    with pytest.raises(SystemExit, match="--copy-batches='1,0' must hold values >= 1"):
-        main(["tune", "--family", "mixtral", "--copy-batches", "1,0", "--out", str(tmp_path / "x.json")])
-
-
-@pytest.mark.skipif(__import__("dwdp.runtime.transport.cuda_api", fromlist=["probe"]).probe().usable, reason="needs no GPU")
-def test_tune_cuda_without_a_gpu_says_so(tmp_path):
-    from dwdp.runtime.transport.cuda_api import NoCudaDriverError
-
-    with pytest.raises(NoCudaDriverError, match="no usable CUDA device"):
-        main(["tune", "--backend", "cuda", "--family", "mixtral", "--group-size", "2", "--out", str(tmp_path / "x.json")])
+def test_tune_rejects_bad_slice_sizes(tmp_path, capfd):
+    assert main(["tune", "--family", "mixtral", "--slice-sizes", "4k", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--slice-sizes='4k'" in capfd.readouterr().err
+    assert main(["tune", "--family", "mixtral", "--copy-batches", "1,0", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--copy-batches='1,0' must hold values >= 1" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("dtype, expert_bytes", [

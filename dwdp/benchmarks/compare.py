@@ -33,7 +33,7 @@ from dwdp.runtime.config import DWDPConfig
 from dwdp.models.demo_model import DEMO_MODEL
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
-from dwdp.observe.timing import device_tag, load_average_1min, machine, time_fn
+from dwdp.observe.timing import USER_RESULTS_DIR, device_tag, load_average_1min, machine, time_fn
 from dwdp.models.tiny import FAMILIES, build_tiny_model
 from dwdp.predict.workload import Forward, WorkloadConfig, forward_inputs, make_workload
 
@@ -45,8 +45,9 @@ QUICK = dict(tokens_per_rank=384, isl=48, max_num_tokens=128, cvs=(0.0, 0.2), ro
              model=dict(hidden=64, intermediate=64, num_experts=8, top_k=2, num_layers=4, vocab=256))
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options of `dwdp bench compare` and `bench/compare.py`."""
+def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DIR) -> argparse.ArgumentParser:
+    """The options of `dwdp bench compare` and `bench/compare.py` (which writes the stored runs:
+    results_dir bench/results)."""
     p.add_argument("--ranks", type=int, default=2, help="processes in the group (default 2)")
     p.add_argument("--cvs", type=float, nargs="+", help=f"CVs of per-rank total tokens (default {list(DEFAULT_CVS)})")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -65,7 +66,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--slice-bytes", type=int, default=1 << 20, help="DWDP copy slice size (default 1 MiB)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny model and workload, CVs 0 and 0.2 (smoke test)")
-    p.add_argument("--out-dir", default="bench/results", help="where the JSON and PNG go (default bench/results)")
+    p.add_argument("--out-dir", default=results_dir, help=f"where the JSON and PNG go (default {results_dir})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up on the group")
     return p

@@ -44,7 +44,7 @@ from dwdp.runtime.baselines import ReplicatedModel
 from dwdp.runtime.config import DWDPConfig
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
-from dwdp.observe.timing import device_tag, keep_freed_memory, load_average_1min, machine, time_fn
+from dwdp.observe.timing import USER_RESULTS_DIR, device_tag, keep_freed_memory, load_average_1min, machine, time_fn
 from dwdp.models.tiny import FAMILIES, build_tiny_model
 from dwdp.predict.workload import Forward, forward_inputs
 
@@ -57,7 +57,7 @@ COPY_SHARE_FREE = 0.05
 MAX_REPEATS = 200
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DIR) -> argparse.ArgumentParser:
     """The options of `dwdp bench regimes` and `bench/regimes.py`."""
     p.add_argument("--ranks", type=int, default=2, help="processes in the group (default 2)")
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
@@ -78,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the models run (default cpu)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out-dir", default="bench/results", help="where the JSON and PNG go (default bench/results)")
+    p.add_argument("--out-dir", default=results_dir, help=f"where the JSON and PNG go (default {results_dir})")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds before giving up on the group")
     return p
 

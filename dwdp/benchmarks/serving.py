@@ -29,20 +29,18 @@ import platform
 import time
 from pathlib import Path
 
-import httpx
 import numpy as np
 
 from dwdp.runtime.group import free_port
 from dwdp.predict.packing import RequestMix, arrival_plan
-from dwdp.serve.launch import ServerProcess
-from dwdp.observe.timing import load_average_1min, machine
-
-RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results"
+from dwdp.observe.timing import USER_RESULTS_DIR, load_average_1min, machine
 SUSTAINED_SHARE = 0.9       # achieved / offered requests/s at or above which a rate counts as sustained
 PERCENTILES = (50, 90, 99)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DIR) -> argparse.ArgumentParser:
+    """The options of `dwdp bench serve` and `bench/serve_compare.py` (which writes the stored run:
+    results_dir bench/results)."""
     p.add_argument("--variants", default="dwdp,dep,dwdp:shortest,dep:shortest",
                    help="comma-separated MODE[:ORDER] served one after the other, e.g. dwdp,dep,dwdp:shortest "
                         "(ORDER: the server's --batch-order; default fifo)")
@@ -60,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--fairness", type=float, default=0.5, help="servers' --fairness for the shortest order, s")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="JSON path (default bench/results/serve_compare_cpu.json)")
+    default_out = str(Path(results_dir) / "serve_compare_cpu.json")
+    p.add_argument("--out", default=default_out, help=f"JSON path; its plot goes beside it (default {default_out})")
     p.add_argument("--from", dest="stored", metavar="JSON",
                    help="serve nothing: recompute a stored run's figures from its samples, rewrite it and its plot")
     return p
@@ -270,11 +269,15 @@ def plot(results: dict, slo_s: float, path: Path, title: str) -> None:
 
 
 def _health(url: str) -> dict:
+    import httpx  # the serve extra: imported when a sweep runs, so `dwdp --help` works without it
+
     return httpx.get(f"{url}/health", timeout=10).json()
 
 
 def run_variant(mode: str, order: str, args, plans: dict, progress=print) -> dict:
     """Serve `plans` ({mix: [(rate, plan)]}) with one server of this variant; {mix: rows}."""
+    from dwdp.serve.launch import ServerProcess  # needs the serve extra (httpx)
+
     server_args = ["--mode", mode, "--batch-order", order, "--fairness", str(args.fairness), "--ranks",
                    str(args.ranks), "--preset", "tiny", "--max-num-tokens", str(args.max_num_tokens),
                    "--max-queue-tokens", str(1 << 30), "--threads-per-worker", str(args.threads_per_worker)]
@@ -336,7 +339,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
         for mix, entry in served.items():
             results[mix][variant_name(mode, order)] = entry
     load_after = load_average_1min()
-    out = Path(args.out) if args.out else RESULTS / "serve_compare_cpu.json"
+    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": command_line(args), "machine": {**machine(), "machine": platform.machine()},
             "device": "cpu", "ranks": args.ranks, "max_num_tokens": args.max_num_tokens,

@@ -58,6 +58,11 @@ def time_fn(fn, *, warmup: int = 2, repeats: int = 5, device: str | torch.device
     return Timing(statistics.median(samples), _quantile(samples, 0.1), _quantile(samples, 0.9), repeats)
 
 
+# Where `dwdp bench ...` writes unless told: a folder of the user's own under the current directory,
+# never the repository's bench/results/, whose stored runs the README quotes.
+USER_RESULTS_DIR = "dwdp-bench-results"
+
+
 def device_tag(device: str | torch.device = "cpu") -> str:
     """Short name of where a benchmark ran, for result file names: cpu, h100, h200, ..."""
     device = torch.device(device)

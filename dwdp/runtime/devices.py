@@ -23,17 +23,17 @@ def check_device(device: str) -> str:
     return device
 
 
-def require_gpu(command: str) -> int:
-    """The number of usable CUDA GPUs, or NoGpu naming what is missing (driver, device, CUDA torch)."""
+def require_gpu(command: str, flag: str = "--device cuda", instead: str = "--device cpu") -> int:
+    """The number of usable CUDA GPUs, or NoGpu naming what is missing (driver, device, CUDA torch),
+    the `flag` that asked for one and the option to use `instead`."""
     from dwdp.runtime.transport import cuda_api
 
     info = cuda_api.probe()
     if not info.usable:
-        raise NoGpu(f"{command}: --device cuda but this machine has no usable CUDA GPU ({info.error}); "
-                    "use --device cpu")
+        raise NoGpu(f"{command}: {flag} but this machine has no usable CUDA GPU ({info.error}); use {instead}")
     if not torch.cuda.is_available():
-        raise NoGpu(f"{command}: --device cuda but torch {torch.__version__} has no CUDA support; install a CUDA "
-                    "build of torch or use --device cpu")
+        raise NoGpu(f"{command}: {flag} but torch {torch.__version__} has no CUDA support; install a CUDA "
+                    f"build of torch or use {instead}")
     return torch.cuda.device_count()
 
 

@@ -35,7 +35,7 @@ from dwdp.runtime.prefetch import Prefetcher
 from dwdp.observe.nvtx_ranges import NvtxRanges
 from dwdp.observe.tracing import TraceRecorder, attach_nvtx_hooks, attach_phase_hooks
 from dwdp.runtime.transport import make_transport, resolve_backend
-from dwdp.runtime.wrapping import ModelWrapper, dense_bytes
+from dwdp.runtime.wrapping import ModelWrapper, dense_bytes, dense_checksum
 
 log = logging.getLogger("dwdp")
 
@@ -99,6 +99,21 @@ def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order:
         full = tensor.stacked(layer.module, spec.num_experts)  # [E, *shape]
         tables[tensor.name] = [full[e] for e in table_order]
     return tables
+
+
+def check_same_dense(checksums: list[int]) -> None:
+    """ValueError naming the ranks whose dense-weight checksum differs from the most common one."""
+    by_value: dict[int, list[int]] = {}
+    for rank, checksum in enumerate(checksums):
+        by_value.setdefault(checksum, []).append(rank)
+    if len(by_value) == 1:
+        return
+    groups = sorted(by_value.values(), key=lambda ranks: (-len(ranks), ranks))
+    odd = sorted(r for ranks in groups[1:] for r in ranks)
+    where = "; ".join(f"ranks {ranks}: {value:#018x}" for value, ranks in
+                      sorted(by_value.items(), key=lambda item: (-len(item[1]), item[1])))
+    raise ValueError(f"ranks {odd} hold different dense (non-expert) weights from ranks {groups[0]} (checksums "
+                     f"{where}): every rank of a DWDP group must load the same model (same checkpoint, same seed)")
 
 
 def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
@@ -184,8 +199,11 @@ class DWDPModel(ModelWrapper):
             source = expert_source or _module_source(layers)
             for index, layer in enumerate(layers):
                 self._fill_local(index, layer, segment, segment_layout, local_ids, source)
-            handles = group.all_gather_object(transport.register())
-            transport.open(handles)
+            # The one setup exchange also carries a checksum of the dense weights: ranks that loaded
+            # different models (another seed, another checkpoint) would compute wrong logits silently.
+            exchanged = group.all_gather_object((transport.register(), dense_checksum(model, self.experts_modules)))
+            check_same_dense([checksum for _, checksum in exchanged])
+            transport.open([handle for handle, _ in exchanged])
             record, liveness = exchange_records(group, envs.shm_dir(), config.peer_timeout_s)
             group.barrier()  # every peer has mapped our segment and record: their names can go
             transport.seal()
@@ -332,6 +350,9 @@ class DWDPModel(ModelWrapper):
         for hook in getattr(self, "_hooks", ()):
             hook.remove()
         self._hooks = []
+        # A forward (or generate) after this reaches a MoE layer with no shared memory behind it.
+        self.prefetcher.closed_reason = (f"rank {self.group.rank}: this DWDPModel was closed (close() released its "
+                                         "experts' shared memory); build the model and wrap it again to run forwards")
         try:
             self.prefetcher.drain()
         finally:

@@ -75,6 +75,7 @@ class Prefetcher:
         self.recorder = None  # a dwdp.observe.tracing.TraceRecorder while tracing
         self.nvtx = None      # a dwdp.observe.nvtx_ranges.NvtxRanges on CUDA
         self.wait_timer = None  # a dwdp.observe.device_timing.DeviceWaitTimer while measuring device stalls
+        self.closed_reason: str | None = None  # set by the model's close(): every later layer refuses with it
 
     @property
     def num_buffers(self) -> int:
@@ -111,6 +112,8 @@ class Prefetcher:
 
         routed: [T, k] expert ids of this layer's tokens; with failover, a layer that needs an
         expert no surviving rank owns raises ExpertsUnavailable here, before holding anything."""
+        if self.closed_reason is not None:
+            raise RuntimeError(self.closed_reason)
         if self.failover is not None:
             self.failover.check_routed(layer, routed)
         with self._cond:

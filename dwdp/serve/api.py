@@ -2,7 +2,8 @@
 and POST /admin/fault when the server was started with fault injection (chaos tests).
 
 Every error is JSON in the OpenAI shape {"error": {"message", "type", "param", "code"}}, with
-`param` naming the request field at fault; 429 and 503 carry Retry-After.
+`param` naming the request field at fault; 429 and 503 carry Retry-After. An unknown path (such as
+/v1/chat/completions: this is a prefill server) is a 404 that lists the endpoints there are.
 """
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import time
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException
 
 from dwdp.serve.errors import ServeError
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
-from dwdp.serve.schemas import CompletionRequest, FaultRequest, PrefillRequest
+from dwdp.serve.schemas import SAMPLING_NEUTRAL, CompletionRequest, FaultRequest, PrefillRequest
 
 
 class BodyLimit:
@@ -73,6 +76,36 @@ def _param(loc) -> str:
     return fields[0] if fields else "body"
 
 
+def prompt_cap(max_num_tokens: int, max_position_embeddings: int) -> tuple[int, str]:
+    """The longest prompt a server takes and why: the smaller of its max_num_tokens (prompts are not
+    chunked) and the model's max_position_embeddings."""
+    if max_position_embeddings < max_num_tokens:
+        return max_position_embeddings, (f"the model's max_position_embeddings; --max-num-tokens is "
+                                         f"{max_num_tokens}")
+    return max_num_tokens, "--max-num-tokens; prompts are not chunked"
+
+
+def check_sampling(fields: dict) -> None:
+    """ServeError naming the first sampling field whose value would make sampling differ from the
+    greedy first token this server returns."""
+    for name, neutral in SAMPLING_NEUTRAL.items():
+        value = fields.get(name)
+        if value is None or (not isinstance(value, bool) and any(value == v for v in neutral)):
+            continue
+        allowed = " or ".join(repr(v) for v in neutral)
+        raise ServeError(400, "invalid_request_error", f"{name}={value!r}: this prefill server returns the greedy "
+                         f"first token and does not sample; send {name} {allowed} or leave it out", param=name)
+
+
+def _endpoints(app: FastAPI, config) -> list[str]:
+    """'METHOD /path' of every API route this server answers (the admin route only when enabled)."""
+    out = []
+    for route in app.routes:
+        if isinstance(route, APIRoute) and (route.path != "/admin/fault" or config.fault_injection):
+            out += [f"{method} {route.path}" for method in sorted(route.methods)]
+    return out
+
+
 def create_app(pool, config, tokenizer=None) -> FastAPI:
     """The router app over a started WorkerPool. `pool.model_info` gives the vocabulary and the
     longest position; prompts longer than config.max_num_tokens are rejected, not chunked."""
@@ -80,7 +113,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
     metrics = ServeMetrics(pool)
     app.state.metrics = metrics
     vocab = pool.model_info["vocab_size"]
-    max_prompt = min(config.max_num_tokens, pool.model_info["max_position_embeddings"])
+    max_prompt, max_prompt_reason = prompt_cap(config.max_num_tokens, pool.model_info["max_position_embeddings"])
 
     def fail(error: ServeError) -> JSONResponse:
         metrics.error(error.error_type)
@@ -101,6 +134,16 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
         messages = "; ".join(f"{_param(e.get('loc', ()))}: {e.get('msg')}" for e in exc.errors()[:5])
         return fail(ServeError(400, "invalid_request_error", messages, param=param))
 
+    @app.exception_handler(HTTPException)
+    async def _no_route(request: Request, exc: HTTPException):
+        # Starlette's own answers (unknown path, method not allowed) in this API's error shape.
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code in (404, 405):
+            kind = "not_found" if exc.status_code == 404 else "method_not_allowed"
+            return fail(ServeError(exc.status_code, kind, f"{where} is not an endpoint of this server; it has "
+                                   f"{', '.join(_endpoints(app, config))}"))
+        return fail(ServeError(exc.status_code, "http_error", f"{where}: {exc.detail}"))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         return fail(ServeError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
@@ -114,7 +157,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
                                  f"{field}[{i}]={token} is outside the vocabulary [0, {vocab})", param=field)
         if len(ids) > max_prompt:
             raise ServeError(400, "context_length_exceeded", f"{field} has {len(ids)} tokens; this server takes "
-                             f"at most {max_prompt} per prompt (max_num_tokens, not chunked)", param=field)
+                             f"at most {max_prompt} per prompt ({max_prompt_reason})", param=field)
         return ids
 
     def tokenize(text: str, field: str) -> list[int]:
@@ -157,6 +200,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
         if body.model != config.model_name:
             raise ServeError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
                              f"{config.model_name!r}", param="model")
+        check_sampling(body.model_extra or {})
         if body.max_tokens != 1:
             raise ServeError(400, "invalid_request_error", f"max_tokens={body.max_tokens}: a context (prefill) "
                              "server returns exactly one token; send max_tokens=1", param="max_tokens")

@@ -17,9 +17,11 @@ class PrefillRequest(BaseModel):
 class CompletionRequest(BaseModel):
     """POST /v1/completions, the prefill side of the OpenAI completions API: one greedy token.
 
-    prompt: text, a list of token ids, or a list of either (one choice per prompt). Fields of the
-    OpenAI API that do not change a one-token greedy prefill (temperature, top_p, user, ...) are
-    accepted and ignored; `kv_transfer_params` is accepted the way disaggregated proxies send it.
+    prompt: text, a list of token ids, or a list of either (one choice per prompt). The answer is the
+    greedy (argmax) first token, so a sampling field (SAMPLING_NEUTRAL) is accepted only at a value
+    under which sampling gives that token, and refused with 400 naming the field otherwise; fields
+    that cannot change it (user, seed, stop, ...) are accepted and ignored; `kv_transfer_params` is
+    accepted the way disaggregated proxies send it.
     """
 
     model_config = ConfigDict(extra="allow")
@@ -31,6 +33,14 @@ class CompletionRequest(BaseModel):
     echo: StrictBool = False
     n: StrictInt = 1
     logprobs: StrictInt | None = None
+
+
+# Sampling fields of the OpenAI completions API (and vLLM's extensions) -> the values under which
+# sampling one token gives the greedy token this prefill server returns (null is always accepted).
+SAMPLING_NEUTRAL = {
+    "temperature": (0,), "top_p": (1,), "top_k": (-1, 0, 1), "min_p": (0,), "presence_penalty": (0,),
+    "frequency_penalty": (0,), "repetition_penalty": (1,), "best_of": (1,), "logit_bias": ({},),
+}
 
 
 class FaultRequest(BaseModel):

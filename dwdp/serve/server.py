@@ -10,22 +10,7 @@ import time
 
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.pool import StartupError, WorkerPool
-
-
-def load_tokenizer(config: ServeConfig):
-    """The tokenizer for text prompts: `config.tokenizer`, else the model directory's own if it has
-    one, else None (token ids only). Nothing is downloaded."""
-    path = config.tokenizer or config.model
-    if path is None:
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError):
-        if config.tokenizer is not None:
-            raise  # asked for explicitly: a broken tokenizer is an error, not "no tokenizer"
-        return None
+from dwdp.serve.preflight import PreflightError, preflight
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -37,16 +22,22 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def run_server(config: ServeConfig) -> int:
-    """Serve until interrupted; returns the process exit code (1 when a worker fails to start)."""
+    """Serve until interrupted; returns the process exit code (2 for a model or tokenizer path that
+    does not load, 1 when a worker fails to start)."""
     import uvicorn
 
     from dwdp.serve.api import BodyLimit, create_app
 
-    # Bound first: a taken port fails before any worker is spawned, and --port 0 picks a free one.
+    # Paths first, in this process: a bad one is one line before any port, directory or worker exists.
+    try:
+        tokenizer = preflight(config)
+    except PreflightError as exc:
+        print(f"dwdp serve: {exc}", file=sys.stderr)
+        return 2
+    # Bound next: a taken port fails before any worker is spawned, and --port 0 picks a free one.
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
     kv_dir = config.kv_dir or tempfile.mkdtemp(prefix="dwdp-kv-")
-    tokenizer = load_tokenizer(config)
     pool = WorkerPool(config, kv_dir)
     started = time.monotonic()
     try:
