@@ -216,16 +216,22 @@ if triton is not None:
     def _column_scales(s_base, s_rows, k_block, stride_sn, stride_sk, mask, SCALE_E8M0: tl.constexpr):
         """[BLOCK_N] fp32 block scales of scale rows s_rows at scale column k_block."""
         s_ptrs = s_base + s_rows.to(tl.int64) * stride_sn + k_block * stride_sk
+        # One return: compiled Triton type-checks every return, so an early fp32 one beside a uint8 load
+        # does not compile (the interpreter would take the branch and never notice).
         if SCALE_E8M0:
-            return tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
-        return tl.load(s_ptrs, mask=mask, other=0.0)
+            s = tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+        else:
+            s = tl.load(s_ptrs, mask=mask, other=0.0)
+        return s
 
     @triton.jit
     def _tile_scale(s_base, s_row, k_block, stride_sn, stride_sk, SCALE_E8M0: tl.constexpr):
         """The fp32 block scale at scale row s_row, column k_block (one for a whole weight tile)."""
-        s = tl.load(s_base + s_row.to(tl.int64) * stride_sn + k_block * stride_sk)
+        raw = tl.load(s_base + s_row.to(tl.int64) * stride_sn + k_block * stride_sk)
         if SCALE_E8M0:
-            s = tl.exp2(s.to(tl.float32) - 127.0)
+            s = tl.exp2(raw.to(tl.float32) - 127.0)
+        else:
+            s = raw
         return s
 
     @triton.jit
@@ -263,19 +269,25 @@ if triton is not None:
         """a [BLOCK_M, BLOCK_K] fp8 @ w [BLOCK_K, BLOCK_N] fp8 -> fp32 (fp8 tensor cores on sm_89+; exact
         fp32 products in the interpreter)."""
         if FP32_DOT:
-            return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, w)
+            d = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            d = tl.dot(a, w)
+        return d
 
     @triton.jit
     def _tile_coords(local, num_m, num_n, GROUP_M: tl.constexpr):
         """(m_tile, n_tile) of an expert's local tile index: m fastest within groups of GROUP_M m-tiles (all
         of them when 0), then n, then the next group."""
         if GROUP_M == 0:
-            return local % num_m, local // num_m
-        width = GROUP_M * num_n
-        first_m = (local // width) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (local % width) % size_m, (local % width) // size_m
+            m_tile = local % num_m
+            n_tile = local // num_m
+        else:
+            width = GROUP_M * num_n
+            first_m = (local // width) * GROUP_M
+            size_m = tl.minimum(num_m - first_m, GROUP_M)
+            m_tile = first_m + (local % width) % size_m
+            n_tile = (local % width) // size_m
+        return m_tile, n_tile
 
     @triton.jit
     def _descriptor_tile(desc, n0, k0, W_TRANSPOSED: tl.constexpr):
@@ -686,6 +698,29 @@ def kernel_problem(
     )
 
 
+def kernel_strides(t: torch.Tensor, inner: int = 1) -> tuple[int, int]:
+    """The strides of a 2-D tensor argument as the kernel is given them.
+
+    A dimension of size 1 is only ever indexed at 0, so its stride is free, and torch leaves it at whatever
+    the tensor came from (`.contiguous()` keeps a one-row view's row stride; `.t().contiguous().t()` of a
+    one-row tensor keeps its strides). Triton specialises a stride of 1 apart from any other, so such a
+    stride would compile a new kernel the first time one row (one token, one column group) comes. Here it
+    is the stride the same layout has at every other size: a launch over one row specialises as one over
+    many. inner: the dimension stored innermost (1: rows of contiguous values, A and the outputs; 0: the
+    groups-first activation scales, an [R, G] view of [G, R] storage). Returns (stride 0, stride 1).
+    """
+    if t.dim() != 2 or inner not in (0, 1):
+        raise ValueError(f"kernel_strides takes a 2-D tensor and inner 0 or 1, got shape {tuple(t.shape)}, "
+                         f"inner={inner!r}")
+    strides = list(t.stride())
+    outer = 1 - inner
+    if t.shape[inner] == 1:
+        strides[inner] = 1
+    if t.shape[outer] == 1:
+        strides[outer] = strides[inner] * t.shape[inner]
+    return strides[0], strides[1]
+
+
 def _launch(
     a: torch.Tensor,  # [rows of A, K]
     expert_offsets: torch.Tensor,  # [E + 1]
@@ -718,7 +753,8 @@ def _launch(
     if launch.quant_out != (out_scales is not None) or launch.quant_out != (out.dtype == torch.float8_e4m3fn):
         raise ValueError(f"an fp8 output needs its scales and a launch that quantizes (quant_out={launch.quant_out}, "
                          f"out {out.dtype}, out_scales {'given' if out_scales is not None else 'missing'})")
-    if launch.a_tma and (a.stride(1) != 1 or a.stride(0) != a.shape[1]):
+    a_strides, out_strides = kernel_strides(a), kernel_strides(out)
+    if launch.a_tma and a_strides != (a.shape[1], 1):
         raise ValueError(f"the TMA path reads A as a contiguous [rows, K] tensor, got strides {a.stride()}")
     if launch.w_tma and not is_interpreter():
         ensure_tma_allocator()
@@ -733,15 +769,16 @@ def _launch(
         scale if scale is not None else dummy,
         out,
         table.num_experts, n_out, a.shape[1], top_k, split_at, _PARTS[part], wave_size, *partner,
-        a.stride(0), a.stride(1),
+        *a_strides,
         table.strides[0], table.strides[1],
-        out.stride(0), out.stride(1),
+        *out_strides,
         float(ep.alpha), float(min(ep.limit, 3.0e38)), float(ep.up_offset),
         scales.half_rows if scales is not None else 1, scales.half_scale_rows if scales is not None else 1,
         block[0], block[1], scale_strides[0], scale_strides[1],
-        a_scales if a_scales is not None else dummy, *(a_scales.stride() if a_scales is not None else (0, 0)), act_group,
-        a.shape[0],
-        out_scales if out_scales is not None else dummy, *(out_scales.stride() if out_scales is not None else (0, 0)),
+        a_scales if a_scales is not None else dummy, *(kernel_strides(a_scales, 0) if a_scales is not None else (0, 0)),
+        act_group, a.shape[0],
+        out_scales if out_scales is not None else dummy,
+        *(kernel_strides(out_scales, 0) if out_scales is not None else (0, 0)),
         **dict(launch.constexprs),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
