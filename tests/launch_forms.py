@@ -142,6 +142,8 @@ def launch(form: Form, recorder: LaunchRecorder, tokens: int = TOKENS, sparse: b
     gated = epilogue is not None and epilogue.gated
     gen = torch.Generator().manual_seed(tokens)
     hidden = torch.randn(tokens, HIDDEN, generator=gen).to(form.dtype)  # [T, H]
+    if tokens == 1:  # a contiguous one-token view whose row stride torch leaves at 1, as a sliced decode step can
+        hidden = hidden.view(HIDDEN, 1).t()
     if form.call == "gemm":
         weights, scales, quant = _weights(form, 2 * INTER, HIDDEN, halves=2 if gated else 1)
         counts = torch.bincount(routing(tokens, sparse=sparse)[0][:, 0], minlength=EXPERTS)
@@ -200,8 +202,12 @@ for launch in json.load(open(sys.argv[1])):
     try:
         ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"]).asm["ptx"]
     except Exception as exc:  # reported per launch: the test names the form that failed
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        results.append({"error": f"{type(exc).__name__}: " + " | ".join(lines[-3:])})
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        error, cause = f"{type(exc).__name__}: " + " | ".join(lines[-3:]), exc.__cause__ or exc.__context__
+        while cause is not None:  # Triton's CompilationError points at the line; its cause says why
+            error += f" <- {type(cause).__name__}: {str(cause).strip().splitlines()[-1] if str(cause).strip() else ''}"
+            cause = cause.__cause__ or cause.__context__
+        results.append({"error": error})
         continue
     results.append({
         "async_16": len(re.findall(r"cp\.async\.cg\.shared\.global \[[^\]]*\], \[[^\]]*\], 0x10", ptx)),

@@ -256,6 +256,28 @@ def test_mxfp4_experts_never_reach_the_kernel():
     assert "mxfp4" in kernel_blocker(layers[0]), kernel_blocker(layers[0])
 
 
+@pytest.mark.parametrize("shape,strides,inner,expected", [
+    ((1, 64), (1, 1), 1, (64, 1)),      # a one-row view whose row stride torch left at 1
+    ((1, 64), (128, 1), 1, (64, 1)),    # one row sliced out of a wider tensor
+    ((5, 64), (64, 1), 1, (64, 1)),     # many rows: as they are
+    ((5, 64), (128, 1), 1, (128, 1)),
+    ((1, 3), (3, 1), 0, (1, 1)),        # one row of groups-first scales, left row-major by .t().contiguous().t()
+    ((4, 1), (1, 1), 0, (1, 4)),        # one column group of groups-first scales
+    ((4, 3), (1, 4), 0, (1, 4)),
+    ((1, 1), (1, 1), 0, (1, 1)),
+])
+def test_kernel_strides_give_a_size_1_dimension_its_layouts_stride(shape, strides, inner, expected):
+    t = torch.empty(4096).as_strided(shape, strides)
+    assert gg.kernel_strides(t, inner) == expected, (shape, strides, inner, gg.kernel_strides(t, inner))
+
+
+def test_kernel_strides_refuse_what_is_not_a_matrix():
+    with pytest.raises(ValueError, match=r"kernel_strides takes a 2-D tensor and inner 0 or 1, got shape \(4,\)"):
+        gg.kernel_strides(torch.empty(4))
+    with pytest.raises(ValueError, match=r"inner=2"):
+        gg.kernel_strides(torch.empty(2, 2), 2)
+
+
 def _jit_functions(path: Path):
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
