@@ -17,7 +17,8 @@ Those are fixed for a layer (N, K, E, top_k, strides); the arguments that change
 (the local-first split, which part runs, the wave sizes, the rows of A, the strides of
 group-first activation scales, which are the rows too) are declared
 `do_not_specialize`, so neither the routing nor the order in which remote experts arrive compiles
-anything new. The tokens of a call change the key only through the tiles: R = rows / E selects the
+anything new; and a dimension of size 1 (one token, one row of scales) is given the stride its layout
+has at every other size (grouped_gemm.kernel_strides), so one token specialises as many do. The tokens of a call change the key only through the tiles: R = rows / E selects the
 nearest tuned entry, a choice among the few configurations `candidate_tiles` lists for a layer.
 
 Tile choice, in order:
