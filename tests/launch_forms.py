@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -51,7 +51,6 @@ class Form:
     combine: str = "sum"
     tma: bool = False  # DWDP_KERNEL_TMA=1: weights (and ungathered A) through TMA descriptors
     tiles: tuple = ()  # (gate_up, down) GroupedGemmConfig overrides; () lets the launch choose
-    extra: dict = field(default_factory=dict, hash=False, compare=False)
 
     @property
     def fp8(self) -> bool:
