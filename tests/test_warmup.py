@@ -112,6 +112,9 @@ def test_unaligned_or_bf16_inputs_launch_the_warmed_forms(monkeypatch):
 
 FP8 = ExpertsQuantization("fp8", (128, 128))
 FP8_E8M0 = ExpertsQuantization("fp8", (128, 128), "ue8m0")
+# fp8 models 256 wide: two 128-column scale groups per row, so one token's activation scales are a [1, 2]
+# tensor whose strides torch may leave row-major (one group, [R, 1], has the same strides at every R).
+FP8_SIZES = dict(hidden=256, intermediate=256)
 # name -> (family, dtype, experts quantization, experts_kernel)
 FORMATS = {
     "bf16": ("mixtral", torch.bfloat16, None, "triton"),
@@ -142,8 +145,8 @@ def test_every_token_count_of_every_format_launches_a_warmed_form(name, monkeypa
     if quant is None:
         model = build_tiny_model(family, seed=1, dtype=dtype)
     else:
-        model, _ = build_tiny_quantized(family, quant, seed=1, dtype=dtype, **({"intermediate": 64}
-                                                                                if quant.format == "mxfp4" else {}))
+        sizes = {"intermediate": 64} if quant.format == "mxfp4" else FP8_SIZES
+        model, _ = build_tiny_quantized(family, quant, seed=1, dtype=dtype, **sizes)
     monkeypatch.setenv("DWDP_KERNEL_CONFIGS", str(tmp_path))
     monkeypatch.delenv("DWDP_KERNEL_TMA", raising=False)
     recorder = LaunchRecorder().install(monkeypatch, DEVICE)
