@@ -35,12 +35,15 @@ needed, over a gloo group):
      their median (needs the serve extras: bench/gpu_wheels.sh fetches them for a machine without network)
 One GPU measures copies inside one device's memory, not NVLink: NVLink stays unmeasured here.
 
-Prints versions first and a table last; writes bench/results/gpu_check_<gpu>.json; exits 1 on any
-correctness failure, 2 at once on a machine without a GPU. Takes a few minutes.
+A section whose optional packages (its module's REQUIRES) are missing is skipped, saying which and how to
+carry them. Prints versions first and a table last; writes bench/results/gpu_check_<gpu>.json; exits 0
+when every section that ran passed, 1 on any correctness failure, 2 at once on a machine without a GPU.
+Takes a few minutes.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import time
@@ -57,12 +60,55 @@ SECTIONS = {"a": a_copy, "b": b_ipc, "c": c_overlap, "d": d_model, "e": e_kernel
             "h": h_serve}
 
 
-def _summary(sections: dict) -> list[tuple[str, str, str, str]]:
+# How a machine without network gets a section's missing packages (GPU_NOTES: the image installs nothing).
+CARRY = ("carry them as wheels: run bench/gpu_wheels.sh on a machine with network, copy .whl/ over, then "
+         "`python3 -m pip install --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`")
+
+
+def missing_requirements(module) -> list[str]:
+    """The importable names in the section module's REQUIRES that this Python cannot import."""
+    return [name for name in getattr(module, "REQUIRES", ()) if importlib.util.find_spec(name) is None]
+
+
+def run_sections(selected: str, modules: dict, after_each=lambda: None) -> dict:
+    """Run the sections whose letters are in `selected`, in order: KEY -> the section's dict (its "error"
+    traceback if it raised, "skipped" saying why if its packages are missing) plus its "seconds"."""
+    sections: dict = {}
+    for letter, module in modules.items():
+        if letter not in selected:
+            continue
+        t0 = time.perf_counter()
+        missing = missing_requirements(module)
+        if missing:
+            sections[module.KEY] = {"skipped": f"needs {', '.join(missing)}, not installed here; {CARRY}",
+                                    "missing": missing}
+            print(f"section {letter} skipped: {sections[module.KEY]['skipped']}", flush=True)
+            continue
+        try:
+            sections[module.KEY] = module.run(sections)
+        except Exception:
+            sections[module.KEY] = {"error": traceback.format_exc()}
+            print(sections[module.KEY]["error"], file=sys.stderr, flush=True)
+        sections[module.KEY]["seconds"] = time.perf_counter() - t0
+        print(f"section {letter} done in {sections[module.KEY]['seconds']:.1f} s", flush=True)
+        after_each()
+    return sections
+
+
+def failures_of(sections: dict) -> list[str]:
+    """Each failed check and each section that raised; skipped sections fail nothing."""
+    failures = [f for s in sections.values() for f in s.get("failures", [])]
+    return failures + [f"{k}: raised {v['error'].splitlines()[-1]}" for k, v in sections.items() if "error" in v]
+
+
+def _summary(sections: dict, modules: dict | None = None) -> list[tuple[str, str, str, str]]:
     """(check, measured, target, verdict) rows for the table."""
     rows = []
-    for module in SECTIONS.values():
+    for module in (modules or SECTIONS).values():
         section = sections.get(module.KEY)
-        if isinstance(section, dict) and "error" not in section:
+        if isinstance(section, dict) and "skipped" in section:
+            rows.append((f"{module.KEY} skipped", "missing " + ", ".join(section["missing"]), "", "skip"))
+        elif isinstance(section, dict) and "error" not in section:
             rows += module.summary(section)
     for key, value in sections.items():
         if isinstance(value, dict) and "error" in value:
@@ -95,21 +141,8 @@ def main() -> int:
     found = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
     started = time.perf_counter()
-    sections: dict = {}
-    for letter, module in SECTIONS.items():
-        if letter not in args.sections:
-            continue
-        t0 = time.perf_counter()
-        try:
-            sections[module.KEY] = module.run(sections)
-        except Exception:
-            sections[module.KEY] = {"error": traceback.format_exc()}
-            print(sections[module.KEY]["error"], file=sys.stderr, flush=True)
-        sections[module.KEY]["seconds"] = time.perf_counter() - t0
-        print(f"section {letter} done in {sections[module.KEY]['seconds']:.1f} s", flush=True)
-        torch.cuda.empty_cache()
-    failures = [f for s in sections.values() for f in s.get("failures", [])]
-    failures += [f"{k}: raised {v['error'].splitlines()[-1]}" for k, v in sections.items() if "error" in v]
+    sections = run_sections(args.sections, SECTIONS, after_each=torch.cuda.empty_cache)
+    failures = failures_of(sections)
     result = {"bench": "gpu_check", "date": time.strftime("%Y-%m-%d"), "code": code_version(), "versions": found,
               "seconds": time.perf_counter() - started, "sections": sections, "failures": failures}
     path = args.out or RESULTS / f"gpu_check_{device_tag('cuda')}.json"

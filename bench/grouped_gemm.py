@@ -7,13 +7,15 @@ Two sections per model:
   gemm: the gate_up GEMM (x [M, H] @ w_e.T, w_e [2I, H]) over weights in B buffers:
     multi-buffer          the kernel reads each expert where it lives (address table)
     contiguous            the same kernel, every expert in one [E, 2I, H] tensor
-    multi-buffer (pointers)  the same tiles on pointer loads, where the launch reads through TMA
+    multi-buffer (TMA) / multi-buffer (pointers)  the same tiles on the other load path than the
+                          default one (pointers unless DWDP_KERNEL_TMA=1), where TMA can read the weights
     merge + grouped_mm    copy the B buffers into one [E, 2I, H] tensor, then F.grouped_mm
     grouped_mm (no copy)  F.grouped_mm on the contiguous tensor: the merge copy's share
     loop torch.mm         one torch.mm per expert (host offsets, computed outside the timing)
     local-first           two launches (experts [0, L) wave-aligned first, then the rest)
   moe: the whole experts path (sort, gate_up + SwiGLU, down + routing weight, back to tokens):
     fused (sum) / fused (atomic) / fused local-first   dwdp.kernels.moe_experts
+    fused (sum, TMA) / fused (sum, pointers)   both GEMMs' tiles on the other load path
     merge + grouped_mm    transformers' grouped_mm path after a merge copy of both weights
     grouped_mm (merged, no copy)   the same on weights merged beforehand (the copy not timed)
 On CUDA the "kernel" rows run the Triton kernel; on CPU they run the plain-PyTorch reference
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 from dwdp.kernels import device_info, expert_weight_table, grouped_gemm, grouped_gemm_reference, launch_config, local_first_split, moe_experts, moe_launch_configs, moe_experts_reference, sort_by_expert, swiglu_reference
 from dwdp.kernels.grouped_gemm import kernel_problem
+from dwdp.kernels.launch import tma_blocker
 from dwdp.observe.timing import device_tag, load_average_1min, machine, time_fn
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -129,6 +132,17 @@ def _loop_mm(x, host_offsets, views, out):
     return out
 
 
+def _other_path(launch, info) -> tuple[str, object] | None:
+    """("TMA" or "pointers", the launch's tiles on that path) for the load path the launch did not take, or
+    None where the weights cannot go through TMA (then both paths are the pointer path)."""
+    if launch.w_tma:
+        return "pointers", replace(launch.tiles, tma=False)
+    tma_tiles = replace(launch.tiles, tma=True)
+    if launch.problem is None or tma_blocker(launch.problem, info, tma_tiles) is not None:
+        return None
+    return "TMA", tma_tiles
+
+
 def _row(section, model, variant, timing, flops, baseline_s):
     return {
         "section": section, "model": model, "variant": variant,
@@ -193,10 +207,11 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
             return out
 
     variants = [("multi-buffer", time_fn(multi, **timer)), ("contiguous", time_fn(contiguous, **timer))]
-    if use_triton and launch.w_tma:  # the same tiles on pointer loads: what the TMA path buys
-        pointer_tiles = replace(launch.tiles, tma=False)
-        variants.append(("multi-buffer (pointers)", time_fn(
-            lambda: grouped_gemm(x_sorted, offsets, multi_table, out=out, config=pointer_tiles), **timer)))
+    other = _other_path(launch, info) if use_triton else None
+    if other is not None:  # the same tiles on the other load path: what TMA buys or costs
+        other_name, other_tiles = other
+        variants.append((f"multi-buffer ({other_name})", time_fn(
+            lambda: grouped_gemm(x_sorted, offsets, multi_table, out=out, config=other_tiles), **timer)))
     if has_grouped_mm:
         variants.append(("merge + grouped_mm", time_fn(lambda: _grouped_mm(x_sorted, torch.stack(views), offsets),
                                                        **timer)))
@@ -234,6 +249,11 @@ def _moe_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm, 
             ("fused (atomic)", time_fn(lambda: fused(combine="atomic"), **timer)),
             (f"fused local-first (L={num_local})", time_fn(lambda: fused(split_at=num_local), **timer)),
         ]
+        info = device_info(torch.device(device))
+        others = [_other_path(launch, info) for launch in launches]
+        if all(o is not None for o in others):
+            pair = (others[0][1], others[1][1])
+            variants.append((f"fused (sum, {others[0][0]})", time_fn(lambda: fused(config=pair), **timer)))
     else:
         def fused():
             return moe_experts_reference(hidden, index, weights, gate_up, down)

@@ -10,8 +10,9 @@ ENV_VARS = {
     "DWDP_LOG_LEVEL": "log level of the dwdp logger (default WARNING)",
     "DWDP_KERNEL_CONFIGS": "directory of tuned kernel configuration files, read before the shipped ones "
                            "(`dwdp tune-kernel` writes there when set)",
-    "DWDP_KERNEL_TMA": "0 keeps the Triton experts kernel on pointer loads where it would read through TMA "
-                       "descriptors (default 1)",
+    "DWDP_KERNEL_TMA": "1 reads the Triton experts kernel's tiles through TMA descriptors where the device and "
+                       "the layout allow it; 0 never; unset: pointer loads unless the tiles ask for tma=True "
+                       "(TMA is not yet measured at least as fast on a GPU)",
 }
 
 
@@ -50,8 +51,11 @@ def kernel_configs_dir() -> str | None:
     return os.environ.get("DWDP_KERNEL_CONFIGS") or None
 
 
-def kernel_tma() -> bool:
-    value = os.environ.get("DWDP_KERNEL_TMA", "1")
+def kernel_tma() -> bool | None:
+    """True / False when DWDP_KERNEL_TMA is 1 / 0; None when unset (the tiles decide, pointers by default)."""
+    value = os.environ.get("DWDP_KERNEL_TMA")
+    if value is None:
+        return None
     if value not in ("0", "1"):
         raise ValueError(f"DWDP_KERNEL_TMA={value!r} must be 0 or 1")
     return value == "1"

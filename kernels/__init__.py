@@ -10,10 +10,8 @@ from dwdp.kernels.grouped_gemm import (
     ACTIVATIONS,
     SWIGLU,
     Epilogue,
-    ExpertWeightTable,
     GroupedGemmConfig,
     default_wave_size,
-    expert_weight_table,
     grouped_gemm,
     is_interpreter,
     local_first_split,
@@ -23,6 +21,7 @@ from dwdp.kernels.moe import moe_experts, moe_launch_configs, sort_by_expert
 from dwdp.kernels.tuned_configs import KernelConfigError
 from dwdp.kernels.reference import epilogue_reference, grouped_gemm_reference, moe_experts_reference, swiglu_reference
 from dwdp.kernels.scaled_weights import ScaleTable, scale_table
+from dwdp.kernels.weight_tables import ExpertWeightTable, expert_weight_table
 
 __all__ = [
     "ACTIVATIONS",

@@ -190,7 +190,10 @@ def quantize_rows_fp8(x: torch.Tensor, group: int, *, groups_first: bool = False
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (padded.view(rows, groups, group) / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     if groups_first:
-        scale = scale.t().contiguous().t()  # [R, G] view of [G, R] storage
+        # [R, G] view of [G, R] storage, strides (1, R) at every R: `.t().contiguous().t()` would leave a
+        # one-row scale as it is (a size-1 dimension never breaks contiguity), strides (G, 1), and the kernel
+        # would specialise a one-token launch apart from every other.
+        scale = torch.empty(groups, rows, dtype=scale.dtype, device=scale.device).t().copy_(scale)
     return q.view(rows, groups * group)[:, :cols].to(FP8_DTYPE), scale
 
 

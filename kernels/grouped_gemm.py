@@ -41,16 +41,15 @@ cores with fp32 accumulation; fp32 inputs use IEEE fp32 dots (no TF32), like tor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from dwdp.kernels.block_scales import BlockQuant
 from dwdp.kernels.settings import ACTIVATIONS, SWIGLU, Epilogue, GroupedGemmConfig
+from dwdp.kernels.weight_tables import ALIGN_BYTES, ExpertWeightTable, expert_weight_table
 
-__all__ = ["ACTIVATIONS", "SWIGLU", "Epilogue", "GroupedGemmConfig", "ExpertWeightTable", "expert_weight_table",
-           "grouped_gemm", "local_first_split", "default_wave_size", "is_interpreter"]
+__all__ = ["ACTIVATIONS", "SWIGLU", "Epilogue", "GroupedGemmConfig", "grouped_gemm", "local_first_split", "default_wave_size", "is_interpreter"]
 
 if TYPE_CHECKING:
     from dwdp.kernels.launch import KernelProblem, LaunchConfig
@@ -64,78 +63,12 @@ except ImportError:  # dwdp.kernels must import on machines without Triton (CPU 
     tl = None
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Tables may also hold fp8 weights (read with their block scales) and the scales themselves.
-_TABLE_DTYPES = _DTYPES + (torch.float8_e4m3fn, torch.uint8)
 _OFFSET_DTYPES = (torch.int32, torch.int64)
-_ALIGN_BYTES = 16
 _PARTS = {"all": 0, "first": 1, "second": 2}
 # Kernel arguments that change from call to call (local-first split, part, waves): not specialised by
 # Triton, so they never compile a new variant.
 RUNTIME_ARGS = ("split_at", "part", "wave_size", "n_tiles_partner", "block_m_partner", "wave_partner", "num_a_rows",
                 "stride_ask", "stride_osk")
-
-
-@dataclass(frozen=True)
-class ExpertWeightTable:
-    """Per-expert base addresses of E weight views [N, K] that may live in different buffers.
-
-    Build it once per layer and buffer slot with `expert_weight_table` (the addresses of the
-    local parameter and of the prefetch slots do not change) and pass it instead of the list.
-    `views` keeps the underlying buffers alive as long as the table is.
-    """
-
-    addresses: torch.Tensor  # [E] int64 data_ptr of each view, on the views' device
-    views: tuple[torch.Tensor, ...]
-    shape: tuple[int, ...]  # (N, K) of weights, (N,) of biases
-    dtype: torch.dtype
-    device: torch.device
-    strides: tuple[int, ...] = ()  # element strides of every view: (K, 1), or (1, N) for [K, N] storage
-
-    @property
-    def num_experts(self) -> int:
-        return len(self.views)
-
-
-def expert_weight_table(weights: Sequence[torch.Tensor], *, name: str = "weights", ndim: int = 2,
-                        aligned: bool = True) -> ExpertWeightTable:
-    """Validate E per-expert views and collect their base addresses.
-
-    ndim=2: weights [N, K], each contiguous or the transpose of a contiguous [K, N] tensor (read
-    without a copy), all with the same strides. ndim=1: biases [N], contiguous.
-    Every view must have the same shape, dtype and device and start on a 16-byte boundary
-    (vectorised loads; `aligned=False` for tables read element by element, such as block scales).
-    Raises ValueError naming `name[e]` otherwise.
-    """
-    what = "[N, K]" if ndim == 2 else "[N]"
-    if isinstance(weights, torch.Tensor):
-        raise ValueError(f"{name} must be a sequence of E views {what}, got one tensor of shape {tuple(weights.shape)}")
-    views = tuple(weights)
-    if not views:
-        raise ValueError(f"{name} is empty: expected one {what} view per expert")
-    first = views[0]
-    for e, w in enumerate(views):
-        if not isinstance(w, torch.Tensor):
-            raise ValueError(f"{name}[{e}] must be a torch.Tensor, got {type(w).__name__}")
-        if w.dim() != ndim:
-            raise ValueError(f"{name}[{e}] must be {ndim}-D {what}, got shape {tuple(w.shape)}")
-        if w.shape != first.shape:
-            raise ValueError(f"{name}[{e}] has shape {tuple(w.shape)}, expected {tuple(first.shape)} like {name}[0]")
-        if w.dtype not in _TABLE_DTYPES:
-            raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected one of {_TABLE_DTYPES}")
-        if w.dtype != first.dtype:
-            raise ValueError(f"{name}[{e}] has dtype {w.dtype}, expected {first.dtype} like {name}[0]")
-        if w.device != first.device:
-            raise ValueError(f"{name}[{e}] is on {w.device}, expected {first.device} like {name}[0]")
-        dense = w.is_contiguous() or (ndim == 2 and w.t().is_contiguous())
-        if not dense or w.stride() != first.stride():
-            raise ValueError(f"{name}[{e}] must be contiguous (or a transposed contiguous [K, N]) with the strides "
-                             f"of {name}[0] {first.stride()}, got strides {w.stride()}")
-        if aligned and w.data_ptr() % _ALIGN_BYTES:
-            raise ValueError(f"{name}[{e}] starts at address {w.data_ptr():#x}, not {_ALIGN_BYTES}-byte aligned")
-    addresses = torch.tensor([w.data_ptr() for w in views], dtype=torch.int64)  # [E]
-    if first.device.type != "cpu":
-        addresses = addresses.to(first.device, non_blocking=True)
-    return ExpertWeightTable(addresses, views, tuple(first.shape), first.dtype, first.device, tuple(first.stride()))
 
 
 def _as_table(weights: Sequence[torch.Tensor] | ExpertWeightTable, name: str, ndim: int = 2) -> ExpertWeightTable:
@@ -216,16 +149,22 @@ if triton is not None:
     def _column_scales(s_base, s_rows, k_block, stride_sn, stride_sk, mask, SCALE_E8M0: tl.constexpr):
         """[BLOCK_N] fp32 block scales of scale rows s_rows at scale column k_block."""
         s_ptrs = s_base + s_rows.to(tl.int64) * stride_sn + k_block * stride_sk
+        # One return: compiled Triton type-checks every return, so an early fp32 one beside a uint8 load
+        # does not compile (the interpreter would take the branch and never notice).
         if SCALE_E8M0:
-            return tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
-        return tl.load(s_ptrs, mask=mask, other=0.0)
+            s = tl.exp2(tl.load(s_ptrs, mask=mask, other=127).to(tl.float32) - 127.0)
+        else:
+            s = tl.load(s_ptrs, mask=mask, other=0.0)
+        return s
 
     @triton.jit
     def _tile_scale(s_base, s_row, k_block, stride_sn, stride_sk, SCALE_E8M0: tl.constexpr):
         """The fp32 block scale at scale row s_row, column k_block (one for a whole weight tile)."""
-        s = tl.load(s_base + s_row.to(tl.int64) * stride_sn + k_block * stride_sk)
+        raw = tl.load(s_base + s_row.to(tl.int64) * stride_sn + k_block * stride_sk)
         if SCALE_E8M0:
-            s = tl.exp2(s.to(tl.float32) - 127.0)
+            s = tl.exp2(raw.to(tl.float32) - 127.0)
+        else:
+            s = raw
         return s
 
     @triton.jit
@@ -263,19 +202,25 @@ if triton is not None:
         """a [BLOCK_M, BLOCK_K] fp8 @ w [BLOCK_K, BLOCK_N] fp8 -> fp32 (fp8 tensor cores on sm_89+; exact
         fp32 products in the interpreter)."""
         if FP32_DOT:
-            return tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-        return tl.dot(a, w)
+            d = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+        else:
+            d = tl.dot(a, w)
+        return d
 
     @triton.jit
     def _tile_coords(local, num_m, num_n, GROUP_M: tl.constexpr):
         """(m_tile, n_tile) of an expert's local tile index: m fastest within groups of GROUP_M m-tiles (all
         of them when 0), then n, then the next group."""
         if GROUP_M == 0:
-            return local % num_m, local // num_m
-        width = GROUP_M * num_n
-        first_m = (local // width) * GROUP_M
-        size_m = tl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (local % width) % size_m, (local % width) // size_m
+            m_tile = local % num_m
+            n_tile = local // num_m
+        else:
+            width = GROUP_M * num_n
+            first_m = (local // width) * GROUP_M
+            size_m = tl.minimum(num_m - first_m, GROUP_M)
+            m_tile = first_m + (local % width) % size_m
+            n_tile = (local % width) // size_m
+        return m_tile, n_tile
 
     @triton.jit
     def _descriptor_tile(desc, n0, k0, W_TRANSPOSED: tl.constexpr):
@@ -686,6 +631,29 @@ def kernel_problem(
     )
 
 
+def kernel_strides(t: torch.Tensor, inner: int = 1) -> tuple[int, int]:
+    """The strides of a 2-D tensor argument as the kernel is given them.
+
+    A dimension of size 1 is only ever indexed at 0, so its stride is free, and torch leaves it at whatever
+    the tensor came from (`.contiguous()` keeps a one-row view's row stride; `.t().contiguous().t()` of a
+    one-row tensor keeps its strides). Triton specialises a stride of 1 apart from any other, so such a
+    stride would compile a new kernel the first time one row (one token, one column group) comes. Here it
+    is the stride the same layout has at every other size: a launch over one row specialises as one over
+    many. inner: the dimension stored innermost (1: rows of contiguous values, A and the outputs; 0: the
+    groups-first activation scales, an [R, G] view of [G, R] storage). Returns (stride 0, stride 1).
+    """
+    if t.dim() != 2 or inner not in (0, 1):
+        raise ValueError(f"kernel_strides takes a 2-D tensor and inner 0 or 1, got shape {tuple(t.shape)}, "
+                         f"inner={inner!r}")
+    strides = list(t.stride())
+    outer = 1 - inner
+    if t.shape[inner] == 1:
+        strides[inner] = 1
+    if t.shape[outer] == 1:
+        strides[outer] = strides[inner] * t.shape[inner]
+    return strides[0], strides[1]
+
+
 def _launch(
     a: torch.Tensor,  # [rows of A, K]
     expert_offsets: torch.Tensor,  # [E + 1]
@@ -718,7 +686,8 @@ def _launch(
     if launch.quant_out != (out_scales is not None) or launch.quant_out != (out.dtype == torch.float8_e4m3fn):
         raise ValueError(f"an fp8 output needs its scales and a launch that quantizes (quant_out={launch.quant_out}, "
                          f"out {out.dtype}, out_scales {'given' if out_scales is not None else 'missing'})")
-    if launch.a_tma and (a.stride(1) != 1 or a.stride(0) != a.shape[1]):
+    a_strides, out_strides = kernel_strides(a), kernel_strides(out)
+    if launch.a_tma and a_strides != (a.shape[1], 1):
         raise ValueError(f"the TMA path reads A as a contiguous [rows, K] tensor, got strides {a.stride()}")
     if launch.w_tma and not is_interpreter():
         ensure_tma_allocator()
@@ -733,15 +702,16 @@ def _launch(
         scale if scale is not None else dummy,
         out,
         table.num_experts, n_out, a.shape[1], top_k, split_at, _PARTS[part], wave_size, *partner,
-        a.stride(0), a.stride(1),
+        *a_strides,
         table.strides[0], table.strides[1],
-        out.stride(0), out.stride(1),
+        *out_strides,
         float(ep.alpha), float(min(ep.limit, 3.0e38)), float(ep.up_offset),
         scales.half_rows if scales is not None else 1, scales.half_scale_rows if scales is not None else 1,
         block[0], block[1], scale_strides[0], scale_strides[1],
-        a_scales if a_scales is not None else dummy, *(a_scales.stride() if a_scales is not None else (0, 0)), act_group,
-        a.shape[0],
-        out_scales if out_scales is not None else dummy, *(out_scales.stride() if out_scales is not None else (0, 0)),
+        a_scales if a_scales is not None else dummy, *(kernel_strides(a_scales, 0) if a_scales is not None else (0, 0)),
+        act_group, a.shape[0],
+        out_scales if out_scales is not None else dummy,
+        *(kernel_strides(out_scales, 0) if out_scales is not None else (0, 0)),
         **dict(launch.constexprs),
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
@@ -818,8 +788,8 @@ def grouped_gemm(
         raise ValueError(f"x_sorted has dtype {x_sorted.dtype}, expected one of {_DTYPES}")
     if not x_sorted.is_contiguous():
         raise ValueError(f"x_sorted must be contiguous, got strides {x_sorted.stride()}")
-    if x_sorted.data_ptr() % _ALIGN_BYTES:
-        raise ValueError(f"x_sorted starts at address {x_sorted.data_ptr():#x}, not {_ALIGN_BYTES}-byte aligned")
+    if x_sorted.data_ptr() % ALIGN_BYTES:
+        raise ValueError(f"x_sorted starts at address {x_sorted.data_ptr():#x}, not {ALIGN_BYTES}-byte aligned")
     _check_device(x_sorted.device, "x_sorted")
     num_rows, k = x_sorted.shape
     n, k_w = table.shape
@@ -858,7 +828,7 @@ def grouped_gemm(
             f"expected ({num_rows}, {n_out}) {x_sorted.dtype} on {x_sorted.device}"
         )
     if fp8_activations:
-        check_fp8_activations(scales, bias_table, "weight_scales")
+        check_fp8_activations(scales, bias_table, "weight_scales", is_interpreter())
     from dwdp.kernels.launch import device_info, launch_config
 
     device = device_info(x_sorted.device)

@@ -17,7 +17,8 @@ Those are fixed for a layer (N, K, E, top_k, strides); the arguments that change
 (the local-first split, which part runs, the wave sizes, the rows of A, the strides of
 group-first activation scales, which are the rows too) are declared
 `do_not_specialize`, so neither the routing nor the order in which remote experts arrive compiles
-anything new. The tokens of a call change the key only through the tiles: R = rows / E selects the
+anything new; and a dimension of size 1 (one token, one row of scales) is given the stride its layout
+has at every other size (grouped_gemm.kernel_strides), so one token specialises as many do. The tokens of a call change the key only through the tiles: R = rows / E selects the
 nearest tuned entry, a choice among the few configurations `candidate_tiles` lists for a layer.
 
 Tile choice, in order:
@@ -32,12 +33,13 @@ take a K tile that divides the scale block's columns; whether one weight scale s
 (W_SCALE_TILE) and whether gate_up's epilogue can write h in fp8 (QUANT_GROUP: its tiles hold whole
 scale groups) follow from the tiles chosen.
 
-Load path: TMA (`tma=None` in the tiles means "where possible") needs Hopper or newer (sm_90), a
-Triton with `tl.make_tensor_descriptor`, weight rows that are 16-byte multiples with the last
-dimension contiguous, and no interleaved gate/up rows; A goes through a descriptor too unless its
-rows are gathered. Everywhere else the kernel uses pointer loads. DWDP_KERNEL_TMA=0 turns TMA off.
-The interpreter (CPU) takes the pointer path unless the tiles ask for TMA (`tma=True`), which runs
-the descriptors' indexing there.
+Load path: pointer loads by default. TMA is taken where the tiles ask for it (`tma=True`) or
+DWDP_KERNEL_TMA=1 asks for it wherever possible (`tma=None` tiles); DWDP_KERNEL_TMA=0 never takes it.
+Pointers stay the default until a GPU run shows TMA at least as fast on the shipped tiles, which were
+all timed on pointers (gpu_check section e times both on the same tiles). TMA needs Hopper or newer
+(sm_90), a Triton with `tl.make_tensor_descriptor`, weight rows that are 16-byte multiples with the
+last dimension contiguous, and no interleaved gate/up rows; A goes through a descriptor too unless its
+rows are gathered. Under the interpreter (CPU) `tma=True` tiles run the descriptors' indexing.
 """
 from __future__ import annotations
 
@@ -304,8 +306,14 @@ def tma_blocker(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemmCo
         import triton.language as tl
     except ImportError:
         return "triton is not installed"
-    if not kernel_tma():
+    setting = kernel_tma()
+    if setting is False:
         return "DWDP_KERNEL_TMA=0"
+    if setting is None and tiles.tma is not True:
+        # Every shipped tile was timed on pointers and TMA has not yet run on a GPU; one tile per expert
+        # (short prompts) rebuilds the descriptors at every expert change. Pointers until a GPU shows TMA
+        # at least as fast (gpu_check e times both on the same tiles).
+        return "pointer loads are the default (DWDP_KERNEL_TMA=1 or tiles with tma=True take TMA)"
     if not hasattr(tl, "make_tensor_descriptor"):
         import triton
 

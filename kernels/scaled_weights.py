@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from dwdp.kernels.block_scales import FP8_DTYPE, UE8M0_DTYPE, BlockQuant
-from dwdp.kernels.grouped_gemm import ExpertWeightTable, expert_weight_table
+from dwdp.kernels.weight_tables import ExpertWeightTable, expert_weight_table
 
 
 @dataclass(frozen=True)
@@ -65,18 +65,17 @@ def scale_table(scales: Sequence[torch.Tensor] | ScaleTable, quant: BlockQuant |
     return ScaleTable(table, quant, is_e8m0, rows // quant.halves, expected[0] // quant.halves)
 
 
-def check_fp8_activations(scales: ScaleTable | None, bias, name: str) -> None:
+def check_fp8_activations(scales: ScaleTable | None, bias, name: str, is_interpreter: bool) -> None:
     """fp8 x fp8 dots need fp8 weights whose block columns a power-of-two K tile divides (one weight
     scale and one activation scale per row / column for a whole tile, kernels.launch.fp8_block_k), and
     no bias (none of the fp8 experts in use has one). ValueError naming `name` otherwise."""
-    from dwdp.kernels.grouped_gemm import is_interpreter
     from dwdp.kernels.launch import fp8_block_k
 
     if scales is None:
         raise ValueError(f"fp8_activations needs fp8 weights with block scales; {name} is missing")
     block_k = scales.quant.block[1]
-    if fp8_block_k(block_k, is_interpreter()) is None:
+    if fp8_block_k(block_k, is_interpreter) is None:
         raise ValueError(f"fp8_activations needs scale blocks whose {block_k} columns a power-of-two K tile "
-                         f">= {16 if is_interpreter() else 32} divides ({name})")
+                         f">= {16 if is_interpreter else 32} divides ({name})")
     if bias is not None:
         raise ValueError(f"fp8_activations does not take biases ({name}'s weights have them)")

@@ -12,8 +12,9 @@ class GroupedGemmConfig:
 
     group_m: m-tiles of one expert run side by side before the next n-tile (grouped order: the A rows
         of the group and the weight tile stay in L2); 0 runs every m-tile of the expert first.
-    tma: True / False forces TMA descriptors / pointer loads; None takes TMA where the device, Triton and
-        the weight layout allow it (kernels/launch.py).
+    tma: True asks for TMA descriptors (where the device, Triton and the weight layout allow them),
+        False for pointer loads; None follows DWDP_KERNEL_TMA, pointer loads when it is unset
+        (kernels/launch.py).
     """
 
     block_m: int = 64

@@ -15,8 +15,10 @@ from dwdp.kernels.block_scales import (
     check_scale_shape,
     dequantize_fp8,
     dequantize_mxfp4,
+    dequantize_rows,
     quantize_fp8,
     quantize_mxfp4,
+    quantize_rows_fp8,
 )
 from dwdp.models.loading import CheckpointError
 from dwdp.runtime.model import DWDPModel
@@ -78,6 +80,21 @@ def test_ue8m0_scales_are_powers_of_two():
     assert torch.equal(exponents, exponents.round()), exponents
     got = dequantize_fp8(q, s, BlockQuant("fp8", (16, 32)), torch.float32)
     assert (got - weight).abs().max() <= s.float().max() * 32, (got - weight).abs().max()
+
+
+@pytest.mark.parametrize("rows,cols", [(1, 300), (2, 300), (3, 300), (17, 300), (1, 100), (5, 100)])
+def test_groups_first_activation_scales_are_laid_out_group_after_group_at_every_row_count(rows, cols):
+    """quantize_rows_fp8(groups_first=True): scales [R, G] over [G, R] storage, strides (1, R), also for one
+    row or one group (where `.t().contiguous().t()` leaves (G, 1) and the kernel would specialise apart),
+    with the same values as the row-major layout."""
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(rows)) * 3  # [R, K]
+    q, scales = quantize_rows_fp8(x, 128, groups_first=True)
+    q_rows, scales_rows = quantize_rows_fp8(x, 128)
+    groups = -(-cols // 128)
+    assert scales.shape == (rows, groups) and scales.stride() == (1, rows), (scales.shape, scales.stride())
+    assert torch.equal(q.view(torch.uint8), q_rows.view(torch.uint8)) and torch.equal(scales, scales_rows)
+    # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormals spaced 2^-9 times the scale
+    torch.testing.assert_close(dequantize_rows(q, scales, 128), x, rtol=2**-4, atol=scales.max().item() * 2**-10)
 
 
 def test_mxfp4_matches_transformers():

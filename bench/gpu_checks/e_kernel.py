@@ -1,7 +1,8 @@
 """gpu_check section e  the Triton kernel: against the reference (output poisoned first), TFLOP/s against F.grouped_mm
    and per-expert matmuls, multi-buffer / single-buffer, measured bf16 matmul peak. Per shape: our TFLOP/s, torch's
-   grouped_mm on the same experts merged beforehand, their ratio, and the launch configuration used (tiles, TMA or
-   pointers, where the tiles came from)."""
+   grouped_mm on the same experts merged beforehand, their ratio, the launch configuration used (tiles, TMA or
+   pointers, where the tiles came from), and TMA against pointer loads on the same tiles (pointers are the
+   default until TMA is at least as fast)."""
 from __future__ import annotations
 
 import argparse
@@ -81,20 +82,43 @@ def per_shape(rows: list[dict], notes: dict, peak: float) -> dict:
         gemm, moe = by.get(("gemm", model, "multi-buffer")), by.get(("moe", model, "fused (sum)"))
         gemm_mm, moe_mm = by.get(("gemm", model, "grouped_mm (no copy)")), by.get(
             ("moe", model, "grouped_mm (merged, no copy)"))
-        pointers = by.get(("gemm", model, "multi-buffer (pointers)"))
         entry = {}
         if gemm is not None:
             entry["gemm"] = {"ours_tflops": gemm["tflops"], "config": note.get("gemm_launch"),
-                             "pointers_tflops": pointers["tflops"] if pointers else None,
                              "grouped_mm_tflops": gemm_mm["tflops"] if gemm_mm else None,
-                             "ratio": gemm["tflops"] / gemm_mm["tflops"] if gemm_mm else None}
+                             "ratio": gemm["tflops"] / gemm_mm["tflops"] if gemm_mm else None,
+                             **load_paths(gemm, by, ("gemm", model, "multi-buffer"), note.get("gemm_launch"))}
         if moe is not None:
+            launches = note.get("moe_launches") or {}
             entry["moe"] = {"ours_tflops": moe["tflops"], "config": note.get("moe_launches"),
                             "peak_share": moe["tflops"] / peak,
                             "grouped_mm_tflops": moe_mm["tflops"] if moe_mm else None,
-                            "ratio": moe["tflops"] / moe_mm["tflops"] if moe_mm else None}
+                            "ratio": moe["tflops"] / moe_mm["tflops"] if moe_mm else None,
+                            **load_paths(moe, by, ("moe", model, "fused (sum"), launches.get("gate_up"))}
         out[model] = entry
     return out
+
+
+def load_paths(default: dict, by: dict, key: tuple[str, str, str], label: str | None) -> dict:
+    """{"tma_tflops", "pointers_tflops"} of one GEMM on the same tiles: the default row (its launch label says
+    which path it took) and the row timed on the other path (bench/grouped_gemm.py), None where not timed."""
+    section, model, variant = key
+    default_path = "tma" if label and "tma(" in label else "pointers"
+    other_path = "pointers" if default_path == "tma" else "tma"
+    sep = ", " if variant.endswith("(sum") else " ("
+    other_variant = f"{variant}{sep}{'TMA' if other_path == 'tma' else 'pointers'})"
+    other = by.get((section, model, other_variant))
+    return {f"{default_path}_tflops": default["tflops"], f"{other_path}_tflops": other["tflops"] if other else None}
+
+
+def _paths_row(check: str, entry: dict) -> tuple[str, str, str, str]:
+    """TMA and pointer loads side by side; TMA becomes the default only at >= 1.0x (kernels/launch.py)."""
+    tma, pointers = entry.get("tma_tflops"), entry.get("pointers_tflops")
+    if tma is None or pointers is None:
+        return (check, f"TMA {tma and f'{tma:.0f}'} / pointers {pointers and f'{pointers:.0f}'} TFLOP/s "
+                       "(TMA cannot read these weights)", "", "info")
+    return (check, f"{tma:.0f} / {pointers:.0f} TFLOP/s = {tma / pointers:.2f}x", ">= 1.0x to make TMA the default",
+            "ok" if tma >= pointers else "miss")
 
 
 def summary(section: dict) -> list[tuple[str, str, str, str]]:
@@ -113,9 +137,7 @@ def summary(section: dict) -> list[tuple[str, str, str, str]]:
                 rows.append((f"e gemm {model} T={tokens} vs grouped_mm merged",
                              f"{gemm['ours_tflops']:.0f} / {gemm['grouped_mm_tflops']:.0f} TFLOP/s = "
                              f"{gemm['ratio']:.2f}x", ">= 1.0x", "ok" if gemm["ratio"] >= 1.0 else "miss"))
-            if gemm["pointers_tflops"] is not None:
-                rows.append((f"e gemm {model} TMA vs pointers, same tiles",
-                             f"{gemm['ours_tflops']:.0f} / {gemm['pointers_tflops']:.0f} TFLOP/s", "", "info"))
+            rows.append(_paths_row(f"e gemm {model} T={tokens} TMA / pointers, same tiles", gemm))
             rows.append((f"e gemm {model} config", str(gemm["config"]), "", "info"))
         if moe is not None:
             against = (f" vs grouped_mm merged {moe['grouped_mm_tflops']:.0f} ({moe['ratio']:.2f}x)"
@@ -123,6 +145,7 @@ def summary(section: dict) -> list[tuple[str, str, str, str]]:
             rows.append((f"e moe {model} T={tokens}",
                          f"{moe['ours_tflops']:.0f} TFLOP/s ({moe['peak_share'] * 100:.0f}% peak){against}",
                          ">= 60% peak", "ok" if moe["peak_share"] >= 0.6 else "miss"))
+            rows.append(_paths_row(f"e moe {model} T={tokens} TMA / pointers, same tiles", moe))
             if moe["config"]:
                 rows.append((f"e moe {model} config", f"gate_up {moe['config']['gate_up']}; down {moe['config']['down']}",
                              "", "info"))

@@ -12,6 +12,8 @@ import threading
 import time
 
 KEY = "h_serve"
+# Packages the GPU image lacks (GPU_NOTES): gpu_check skips this section without them.
+REQUIRES = ("fastapi", "uvicorn", "openai", "httpx")
 RANKS = 2
 FIRST = 50
 TARGET_WORST_OVER_MEDIAN = 1.5
