@@ -115,7 +115,7 @@ class Failover:
             if status.is_lost:
                 found[peer] = status.describe(peer)
         self.declare_lost(found)
-        self.pending.update(self.find_rejoined())
+        self.pending = self.find_rejoined()  # read afresh: an entry whose process died since is gone
         if rejoin_now and self.pending:
             self.take_back(self.pending)
             self.pending = {}
@@ -186,7 +186,6 @@ class Failover:
             return False
         self.lost.update(new)
         for peer in new:
-            self.pending.pop(peer, None)  # a rejoin found earlier is stale now: that process is gone
             if self.liveness is not None and peer in self.liveness.peers:
                 self._lost_pid[peer] = self.liveness.pid(peer)
         self._replan()
