@@ -374,7 +374,10 @@ class DWDPModel(ModelWrapper):
 
     def check_peers(self) -> FailoverStatus:
         """Read the peers' liveness now (forwards also do, as they start), re-plan around any loss,
-        and return what this rank knows: lost and stalled peers, re-plans, unservable experts."""
+        take back lost peers that rejoined as new processes (at once between forwards; at the next
+        forward's start while one runs), and return what this rank knows: lost and stalled peers,
+        rejoined peers (`rejoins`: peer -> times) and those found but not yet in the plans
+        (`rejoining`), re-plans, unservable experts, and owners left per expert (`redundancy`)."""
         return self.prefetcher.poll_peers()
 
     def inject_fault(self, rank: int, reason: str = "injected fault") -> None:
