@@ -39,7 +39,7 @@ from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
 from dwdp.observe.timing import load_average_1min, machine
-from chaos_heal import HEAL_CASES, heal_summary, inject_heal, sample_health
+from chaos_heal import HEAL_CASES, heal_summary, inject_heal, sample_health, wait_healed
 from serve_load import arrivals, command_line, render_table, run_rate
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -82,14 +82,23 @@ async def _inject(case: str, url: str, pid: int, victim: int, at_s: float, stall
     return {"fault_s": began, "end_s": time.perf_counter() - start, "victim_busy": busy}
 
 
-async def _run_case(case: str, url: str, plan: list, pids: list[int], args) -> tuple[list[dict], dict]:
+async def _run_case(case: str, url: str, plan: list, pids: list[int], args, probe: list
+                    ) -> tuple[list, list[dict], dict]:
+    """(plan as sent, one result per request, the fault). probe: a short load sent, in the healing
+    cases, once the group has healed if the main load ended before."""
     start = time.perf_counter() + 0.2
     if case in HEAL_CASES:
-        stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_health(url, start, stop))
+        stop, samples = asyncio.Event(), []
+        sampler = asyncio.create_task(sample_health(url, start, stop, samples))
         (results, _), fault = await asyncio.gather(
             run_rate(url, plan, args.timeout, start),
             inject_heal(case, url, pids, args.victim, args.second, args.fault_at, start, _busy))
+        healed = await wait_healed(samples, fault, args.heal_timeout)
+        if healed is not None and healed > plan[-1][0]:  # the restarted ranks got no request yet
+            offset = time.perf_counter() - start
+            probe = [(at + offset, client, ids) for at, client, ids in probe]
+            probe_results, _ = await run_rate(url, probe, args.timeout, start)
+            plan, results = plan + probe, results + probe_results
         await asyncio.sleep(1.0)  # one more second of /health after the last answer
         stop.set()
         fault["samples"] = await sampler
@@ -100,7 +109,7 @@ async def _run_case(case: str, url: str, plan: list, pids: list[int], args) -> t
         fault["hit"] = [args.victim]
     for r in results:
         r["done"] -= start
-    return results, fault
+    return plan, results, fault
 
 
 def first_token_ok(model, ids: list[int], token: int) -> bool:
@@ -211,6 +220,8 @@ def main() -> int:
     p.add_argument("--second", type=int, default=2, help="the second rank hit in the overlapping cases (default 2)")
     p.add_argument("--heal-ranks", type=int, default=4, help="workers in the overlapping cases (default 4)")
     p.add_argument("--heal-replicas", type=int, default=3, help="owners per expert in the overlapping cases (default 3)")
+    p.add_argument("--heal-timeout", type=float, default=180.0, help="healing cases: longest wait after the load "
+                   "for the group to heal (default 180)")
     p.add_argument("--restart-backoff", type=float, default=0.2, help="server's --restart-backoff in the healing "
                    "cases (default 0.2)")
     p.add_argument("--rate", type=float, default=6.0, help="offered requests per second (default 6)")
@@ -258,7 +269,9 @@ def main() -> int:
             warm = arrivals(100.0, 2 * ranks, 10.0, args.clients, args.isl, args.isl_ratio, 0.0,
                             args.max_num_tokens, args.seed + 999)
             asyncio.run(run_rate(server.url, warm, args.timeout))  # first forwards touch buffers, build plans
-            results, fault = asyncio.run(_run_case(case, server.url, plan, pids, args))
+            probe = arrivals(args.rate, 3 * ranks, 3 * ranks / args.rate, args.clients, args.isl, args.isl_ratio,
+                             args.cv, args.max_num_tokens, args.seed + 500 + i)
+            plan, results, fault = asyncio.run(_run_case(case, server.url, plan, pids, args, probe))
             health = httpx.get(f"{server.url}/health", timeout=10).json()
         rows.append(summarise(case, plan, results, fault, model, args, ranks, health))
         print(f"{case}: {rows[-1]['errors'] or 'no errors'}", flush=True)

@@ -12,7 +12,9 @@ Besides chaos.py's counts, per case: /health sampled every 0.1 s gives the small
 routable owners of any expert before the fault, at its lowest during the run, and at the end
 ("redundancy before / during / after"); `rejoined s`: from the fault until every worker is routable
 again with the redundancy of before; `full capacity s`: from the fault until every hit rank,
-restarted, has answered a request (it takes its share again).
+restarted, has answered a request (it takes its share again). When the load ends before the group
+has healed, the run waits for it (at most --heal-timeout) and then sends a short probe load at the
+same rate, whose answers count like the others.
 """
 from __future__ import annotations
 
@@ -27,9 +29,9 @@ HEAL_CASES = ("kill-restart", "two-loss", "loss-while-rejoining")
 SAMPLE_S = 0.1
 
 
-async def sample_health(url: str, start: float, stop: asyncio.Event) -> list[dict]:
-    """(t, min redundancy, per-worker pid/routable/restarts) every SAMPLE_S until `stop`."""
-    samples = []
+async def sample_health(url: str, start: float, stop: asyncio.Event, samples: list) -> list[dict]:
+    """Append (t, min redundancy, per-worker pid/routable/restarts) to `samples` every SAMPLE_S
+    until `stop`; returns them."""
     async with httpx.AsyncClient(timeout=10) as http:
         while not stop.is_set():
             try:
@@ -77,6 +79,28 @@ async def inject_heal(case: str, url: str, pids: list[int], victim: int, second:
     return {"fault_s": began, "end_s": None, "victim_busy": is_busy, "hit": hit}
 
 
+def healed_at(samples: list[dict], fault: dict) -> float | None:
+    """Seconds after `start` at which every worker was routable again with the redundancy of before
+    and every hit rank had been restarted (None: not yet)."""
+    t0 = fault["fault_s"]
+    before = [s for s in samples if s["t"] < t0]
+    if not before:
+        return None
+    initial = before[-1]["min_redundancy"]
+    return next((s["t"] for s in samples if s["t"] >= t0 and all(s["routable"]) and s["min_redundancy"] == initial
+                 and all(s["restarts"][r] >= 1 for r in fault["hit"])), None)
+
+
+async def wait_healed(samples: list[dict], fault: dict, timeout_s: float) -> float | None:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        at = healed_at(samples, fault)
+        if at is not None:
+            return at
+        await asyncio.sleep(SAMPLE_S)
+    return None
+
+
 def heal_summary(samples: list[dict], fault: dict, results: list[dict]) -> dict:
     """Redundancy before / during / after, and the times until the group had healed."""
     t0 = fault["fault_s"]
@@ -84,8 +108,8 @@ def heal_summary(samples: list[dict], fault: dict, results: list[dict]) -> dict:
     after_fault = [s for s in samples if s["t"] >= t0]
     initial = before[-1]["min_redundancy"] if before else None
     during = min((s["min_redundancy"] for s in after_fault if s["min_redundancy"] is not None), default=None)
-    rejoined = next((s["t"] - t0 for s in after_fault if all(s["routable"]) and s["min_redundancy"] == initial
-                     and all(s["restarts"][r] >= 1 for r in fault["hit"])), None)
+    at = healed_at(samples, fault)
+    rejoined = None if at is None else at - t0
     firsts = []
     for r in fault["hit"]:
         # Answers from rank r after the router started it again come from its new process.
