@@ -8,13 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dwdp.runtime.board import Board
+from dwdp.runtime.board import BOARD_PREFIX, Board
 from dwdp.runtime.failover import Failover
 from dwdp.runtime.liveness import PeerStatus
 from dwdp.runtime.placement import build_placement, surviving_sources
 from dwdp.runtime.plan import PlanCache, SegmentLayout, slot_layout
 from dwdp.runtime.prefetch import Prefetcher
-from dwdp.runtime.rejoin import live_owner_of_each
+from dwdp.runtime.model import check_same_dense_as_peers
+from dwdp.runtime.rejoin import PeerEntries, live_owner_of_each
 from dwdp.runtime.transport import HostTransport, connect_in_process
 from dwdp.runtime.transport.reference import execute_plan_reference
 from dwdp.serve.restarts import RestartPolicy
@@ -128,7 +129,7 @@ def _replacement(group, rank: int) -> HostTransport:
     new = HostTransport(rank, inflight=2, shm_dir=str(group["tmp"]))
     new.alloc_segment(group["seg"].total_nbytes).copy_(_segment(group["full"], group["p"].owned[rank]))
     group["made"].append(new)
-    group["board"].publish(rank, new.board_handle(), {"path": f"fake-record-of-new-rank-{rank}", "pid": 0})
+    group["board"].publish(rank, new.board_handle(), {"path": f"fake-record-of-new-rank-{rank}", "pid": 0}, 7)
     return new
 
 
@@ -219,3 +220,20 @@ def test_a_replacement_that_dies_before_it_is_taken_back_is_not_reported_rejoini
     assert _forward(pf, group["expected"]) == []
     status = failover.status()
     assert list(status.lost) == [1] and status.rejoins == {}, status
+
+
+def test_a_replacement_with_other_dense_weights_is_refused_naming_the_ranks():
+    peers = PeerEntries(1, ({"dense_checksum": 5}, None, {"dense_checksum": 5}, {"dense_checksum": 6}))
+    check_same_dense_as_peers(1, 5, PeerEntries(1, ({"dense_checksum": 5}, None)))
+    with pytest.raises(ValueError, match=r"rank 1 rejoins .* but ranks \[0, 2, 3\] hold"):
+        check_same_dense_as_peers(1, 4, peers)
+
+
+def test_boards_of_dead_processes_are_swept_by_the_next_board(tmp_path):
+    stale = tmp_path / f"{BOARD_PREFIX}old-g0"
+    stale.mkdir()
+    (stale / "rank0.json").write_text('{"pid": 999999999, "segment": {}, "record": {}, "dense_checksum": 0}')
+    board = Board("new-g0", tmp_path)
+    assert not stale.exists(), list(stale.iterdir())
+    board.withdraw(0)
+    assert list(tmp_path.iterdir()) == []

@@ -27,6 +27,23 @@ def _pid_alive(pid: int) -> bool:
     return not process_exited(pid, None)  # a zombie counts as gone
 
 
+def sweep_stale_boards(root: Path) -> None:
+    """Remove entries of dead processes from every board in `root`, and boards left empty (a whole
+    group killed leaves its board behind; nobody can rejoin a group with no live member)."""
+    for board in root.glob(f"{BOARD_PREFIX}*"):
+        for file in board.glob("rank*.json"):
+            try:
+                pid = int(json.loads(file.read_text())["pid"])
+            except (OSError, ValueError, KeyError):
+                continue  # being replaced right now, or not ours
+            if not _pid_alive(pid):
+                file.unlink(missing_ok=True)
+        try:
+            board.rmdir()
+        except OSError:
+            pass  # a live entry is left
+
+
 class Board:
     """The board of group `group_id` (a name every rank and a replacement compute alike: see
     dwdp.runtime.group.init_group) in `shm_dir` (default DWDP_SHM_DIR)."""
@@ -38,6 +55,7 @@ class Board:
         if not root.is_dir():
             raise FileNotFoundError(f"DWDP_SHM_DIR={str(root)!r} is not a directory")
         self.group_id = group_id
+        sweep_stale_boards(root)
         self.path = root / f"{BOARD_PREFIX}{group_id}"
         self.path.mkdir(exist_ok=True)
 
@@ -47,10 +65,16 @@ class Board:
     def publish(self, rank: int, segment: dict, record: dict, dense_checksum: int) -> None:
         """Write this process's entry for `rank`, replacing any earlier incarnation's."""
         entry = {"pid": os.getpid(), "segment": segment, "record": record, "dense_checksum": dense_checksum}
-        self.path.mkdir(exist_ok=True)  # the last rank to close removed it
         tmp = self.path / f".rank{rank}.{os.getpid()}.tmp"
-        tmp.write_text(json.dumps(entry))
-        os.replace(tmp, self._file(rank))  # readers see the old entry or the new one, never half
+        for attempt in range(3):
+            self.path.mkdir(exist_ok=True)  # the last rank to close, or a sweep, may have removed it
+            try:
+                tmp.write_text(json.dumps(entry))
+                os.replace(tmp, self._file(rank))  # readers see the old entry or the new one, never half
+                return
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
 
     def read(self, rank: int) -> dict | None:
         """`rank`'s entry, or None when it has none or its process is gone."""
