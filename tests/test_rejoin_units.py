@@ -237,3 +237,19 @@ def test_boards_of_dead_processes_are_swept_by_the_next_board(tmp_path):
     assert not stale.exists(), list(stale.iterdir())
     board.withdraw(0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_entry_whose_pid_now_names_another_process_reads_as_gone(tmp_path):
+    """A dead rank's pid reused by an unrelated process: its /proc/<pid>/fd paths would open that
+    process's files, so the entry must not pass for alive."""
+    import json
+
+    board = Board("reuse-g0", tmp_path)
+    board.publish(0, {"path": "seg"}, {"path": "rec"}, 1)
+    assert board.read(0)["segment"] == {"path": "seg"}
+    entry = json.loads((board.path / "rank0.json").read_text())
+    entry["start_time"] -= 1  # same pid, started at another time: another process
+    (board.path / "rank0.json").write_text(json.dumps(entry))
+    assert board.read(0) is None
+    board.sweep(0)
+    assert list(tmp_path.iterdir()) == []

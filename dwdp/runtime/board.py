@@ -4,8 +4,9 @@ restarted later can rejoin, and its peers find it again, without any collective.
 The board is a directory `dwdp-board-<group id>` in DWDP_SHM_DIR holding one small JSON file per
 rank, `rank<r>.json`: {"pid", "segment": transport handle, "record": liveness handle,
 "dense_checksum": of its dense weights, which a replacement compares with its own}. Each rank
-writes its own file (atomically: a temporary file renamed over it) once it serves, and nobody else
-writes it. The handles name `/proc/<pid>/fd/<n>` paths of files the owner keeps open: they reopen
+writes its own file (atomically: a temporary file renamed over it) once it serves; a survivor
+removes it once its process is gone. An entry also holds its process's start time, so a pid reused
+by another process never passes for it. The handles name `/proc/<pid>/fd/<n>` paths of files the owner keeps open: they reopen
 the owner's live segment and record, and stop resolving the moment it exits, so an entry of a dead
 process can never map that process's memory again.
 
@@ -23,8 +24,19 @@ from dwdp.runtime.liveness import process_exited
 BOARD_PREFIX = "dwdp-board-"
 
 
-def _pid_alive(pid: int) -> bool:
-    return not process_exited(pid, None)  # a zombie counts as gone
+def _start_time(pid: int) -> int | None:
+    """When `pid` started (clock ticks since boot: /proc/<pid>/stat field 22); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _entry_alive(entry: dict) -> bool:
+    """The process that wrote `entry` still runs (a zombie, or a new process with its pid, does not)."""
+    pid = int(entry["pid"])
+    return not process_exited(pid, None) and _start_time(pid) == entry.get("start_time")
 
 
 def sweep_stale_boards(root: Path) -> None:
@@ -33,11 +45,15 @@ def sweep_stale_boards(root: Path) -> None:
     for board in root.glob(f"{BOARD_PREFIX}*"):
         for file in board.glob("rank*.json"):
             try:
-                pid = int(json.loads(file.read_text())["pid"])
-            except (OSError, ValueError, KeyError):
+                entry = json.loads(file.read_text())
+                alive = _entry_alive(entry)
+            except (OSError, ValueError, KeyError, TypeError):
                 continue  # being replaced right now, or not ours
-            if not _pid_alive(pid):
-                file.unlink(missing_ok=True)
+            if not alive:
+                try:
+                    file.unlink(missing_ok=True)
+                except OSError:
+                    pass  # another user's board in a shared /dev/shm
         try:
             board.rmdir()
         except OSError:
@@ -64,7 +80,8 @@ class Board:
 
     def publish(self, rank: int, segment: dict, record: dict, dense_checksum: int) -> None:
         """Write this process's entry for `rank`, replacing any earlier incarnation's."""
-        entry = {"pid": os.getpid(), "segment": segment, "record": record, "dense_checksum": dense_checksum}
+        entry = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "segment": segment, "record": record,
+                 "dense_checksum": dense_checksum}
         tmp = self.path / f".rank{rank}.{os.getpid()}.tmp"
         for attempt in range(3):
             self.path.mkdir(exist_ok=True)  # the last rank to close, or a sweep, may have removed it
@@ -82,7 +99,7 @@ class Board:
             entry = json.loads(self._file(rank).read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        return entry if _pid_alive(int(entry["pid"])) else None
+        return entry if _entry_alive(entry) else None
 
     def sweep(self, rank: int) -> None:
         """Remove `rank`'s entry when its process is gone (a survivor cleans up after a loss)."""
@@ -90,7 +107,7 @@ class Board:
             entry = json.loads(self._file(rank).read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return
-        if not _pid_alive(int(entry["pid"])):
+        if not _entry_alive(entry):
             self._file(rank).unlink(missing_ok=True)
         self._remove_if_empty()
 
