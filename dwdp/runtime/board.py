@@ -72,8 +72,7 @@ class Board:
             raise FileNotFoundError(f"DWDP_SHM_DIR={str(root)!r} is not a directory")
         self.group_id = group_id
         sweep_stale_boards(root)
-        self.path = root / f"{BOARD_PREFIX}{group_id}"
-        self.path.mkdir(exist_ok=True)
+        self.path = root / f"{BOARD_PREFIX}{group_id}"  # made by the first `publish`: a failed setup leaves none
 
     def _file(self, rank: int) -> Path:
         return self.path / f"rank{rank}.json"
