@@ -16,6 +16,10 @@ The fault starts `--fault-at` seconds in, or up to 3 s later once the victim run
   the same window shifted back by the pre-fault median TTFT: the survivors carry the whole offered
   load again. 0 when they never fell behind.
 Prints the table last; writes bench/results/chaos_cpu.json (machine, load average, every request).
+
+The healing cases (kill-restart, two-loss, loss-while-rejoining: bench/chaos_heal.py) run the server
+with `--restart on-failure` and add redundancy before / during / after and the time until the group
+is whole again; the cases above run it with `--restart never`, so a lost rank stays lost.
 """
 from __future__ import annotations
 
@@ -35,10 +39,12 @@ from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
 from dwdp.observe.timing import load_average_1min, machine
+from chaos_heal import HEAL_CASES, heal_summary, inject_heal, sample_health, wait_healed
 from serve_load import arrivals, command_line, render_table, run_rate
 
 RESULTS = Path(__file__).resolve().parent / "results"
-CASES = ("kill", "unreadable", "stall")
+CASES = ("kill", "unreadable", "stall") + HEAL_CASES
+OVERLAPPING = ("two-loss", "loss-while-rejoining")  # run on --heal-ranks ranks, --heal-replicas owners
 ATOL, RTOL = 1e-4, 1e-4           # first-token tie tolerance, as tests/test_serve.py
 WINDOW_S, STEP_S, CARRIED = 2.0, 0.1, 0.9
 
@@ -76,13 +82,34 @@ async def _inject(case: str, url: str, pid: int, victim: int, at_s: float, stall
     return {"fault_s": began, "end_s": time.perf_counter() - start, "victim_busy": busy}
 
 
-async def _run_case(case: str, url: str, plan: list, pid: int, args) -> tuple[list[dict], dict]:
+async def _run_case(case: str, url: str, plan: list, pids: list[int], args, probe: list
+                    ) -> tuple[list, list[dict], dict]:
+    """(plan as sent, one result per request, the fault). probe: a short load sent, in the healing
+    cases, once the group has healed if the main load ended before."""
     start = time.perf_counter() + 0.2
-    (results, _), fault = await asyncio.gather(run_rate(url, plan, args.timeout, start),
-                                               _inject(case, url, pid, args.victim, args.fault_at, args.stall, start))
+    if case in HEAL_CASES:
+        stop, samples = asyncio.Event(), []
+        sampler = asyncio.create_task(sample_health(url, start, stop, samples))
+        (results, _), fault = await asyncio.gather(
+            run_rate(url, plan, args.timeout, start),
+            inject_heal(case, url, pids, args.victim, args.second, args.fault_at, start, _busy))
+        healed = await wait_healed(samples, fault, args.heal_timeout)
+        if healed is not None and healed > plan[-1][0]:  # the restarted ranks got no request yet
+            offset = time.perf_counter() - start
+            probe = [(at + offset, client, ids) for at, client, ids in probe]
+            probe_results, _ = await run_rate(url, probe, args.timeout, start)
+            plan, results = plan + probe, results + probe_results
+        await asyncio.sleep(1.0)  # one more second of /health after the last answer
+        stop.set()
+        fault["samples"] = await sampler
+    else:
+        (results, _), fault = await asyncio.gather(
+            run_rate(url, plan, args.timeout, start),
+            _inject(case, url, pids[args.victim], args.victim, args.fault_at, args.stall, start))
+        fault["hit"] = [args.victim]
     for r in results:
         r["done"] -= start
-    return results, fault
+    return plan, results, fault
 
 
 def first_token_ok(model, ids: list[int], token: int) -> bool:
@@ -113,13 +140,13 @@ def _prefill_ms_per_1k(answers: list[dict], lo: float, hi: float, ranks) -> floa
 
 
 def summarise(case: str, plan: list, results: list[dict], fault: dict, model, args, ranks: int, health: dict) -> dict:
-    victim = args.victim
-    survivors = [r for r in range(ranks) if r != victim]
+    victim, hit = args.victim, fault["hit"]
+    survivors = [r for r in range(ranks) if r not in hit]
     ok = [r for r in results if r["status"] == 200]
     checked = _tokens_ok(plan, results, model)
     correct = [c for c, r in zip(checked, results) if r["status"] == 200]
     clear = [r for r in results if isinstance(r["status"], int) and r["status"] >= 500
-             and f"rank {victim}" in r["message"]]
+             and any(f"rank {h}" in r["message"] for h in hit)]
     lost = [r for r in results if r["status"] == "transport"]
     t0, t1 = fault["fault_s"], fault["end_s"] or max(r["done"] for r in results)
     lag = statistics.median(r["ttft_s"] for (at, _, _), r in zip(plan, results) if r["status"] == 200 and at < t0)
@@ -132,7 +159,9 @@ def summarise(case: str, plan: list, results: list[dict], fault: dict, model, ar
             recovery = t - t0
             break
         t += STEP_S
+    heal = heal_summary(fault["samples"], fault, results) if "samples" in fault else {}
     return {
+        **heal, "hit": hit, "ranks": ranks,
         "case": case, "victim": victim, "sent": len(plan), "correct": sum(correct),
         "wrong": len(correct) - sum(correct), "failed_clear": len(clear),
         "failed_other": len(results) - len(ok) - len(clear) - len(lost), "lost": len(lost),
@@ -144,8 +173,8 @@ def summarise(case: str, plan: list, results: list[dict], fault: dict, model, ar
         "survivor_prefill_ms_per_1k_before": _prefill_ms_per_1k(ok, 0.0, t0, survivors),
         "survivor_prefill_ms_per_1k_during": _prefill_ms_per_1k(ok, t0, t1, survivors),
         "survivors_after": {w["rank"]: {k: w[k] for k in ("lost_peers", "replans", "retried_slices", "routable",
-                                                          "unservable_experts")}
-                            for w in health["workers"] if w["rank"] != victim},
+                                                          "unservable_experts", "peer_rejoins", "restarts")}
+                            for w in health["workers"] if w["rank"] not in hit},
         "server_retried_requests": health["retried"], "server_failed_requests": health["failed"],
         "requests": results,
     }
@@ -168,12 +197,33 @@ def format_table(rows: list[dict]) -> str:
     return render_table(header, lines)
 
 
+def format_heal_table(rows: list[dict]) -> str:
+    header = ("case", "ranks", "hit", "sent", "correct", "failed (names rank)", "lost", "redundancy before",
+              "during", "after", "rejoined s", "full capacity s")
+
+    def num(x, fmt):
+        return "n/a" if x is None or x != x else format(x, fmt)
+
+    lines = [(r["case"], str(r["ranks"]), ",".join(map(str, r["hit"])), str(r["sent"]), str(r["correct"]),
+              str(r["failed_clear"]), str(r["lost"]), num(r["redundancy_before"], "d"),
+              num(r["redundancy_during"], "d"), num(r["redundancy_after"], "d"), num(r["rejoined_s"], ".2f"),
+              num(r["full_capacity_s"], ".2f")) for r in rows if "rejoined_s" in r]
+    return render_table(header, lines)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--ranks", type=int, default=3, help="workers (default 3)")
     p.add_argument("--expert-replicas", type=int, default=2, help="owners of every expert (default 2)")
     p.add_argument("--victim", type=int, default=1, help="the rank hit (default 1)")
+    p.add_argument("--second", type=int, default=2, help="the second rank hit in the overlapping cases (default 2)")
+    p.add_argument("--heal-ranks", type=int, default=4, help="workers in the overlapping cases (default 4)")
+    p.add_argument("--heal-replicas", type=int, default=3, help="owners per expert in the overlapping cases (default 3)")
+    p.add_argument("--heal-timeout", type=float, default=180.0, help="healing cases: longest wait after the load "
+                   "for the group to heal (default 180)")
+    p.add_argument("--restart-backoff", type=float, default=0.2, help="server's --restart-backoff in the healing "
+                   "cases (default 0.2)")
     p.add_argument("--rate", type=float, default=6.0, help="offered requests per second (default 6)")
     p.add_argument("--duration", type=float, default=24.0, help="sending window per case, s (default 24)")
     p.add_argument("--fault-at", type=float, default=8.0, help="seconds into the window the fault starts (default 8)")
@@ -196,30 +246,41 @@ def main() -> int:
                 f"{args.fault_at} not inside the duration {args.duration}")
 
     model = preset_model("tiny", seed=0)  # the unwrapped model every answer is checked against
-    server_args = ["--ranks", str(args.ranks), "--expert-replicas", str(args.expert_replicas), "--preset", "tiny",
-                   "--max-num-tokens", str(args.max_num_tokens), "--peer-timeout", str(args.peer_timeout),
-                   "--stall-timeout", str(args.stall_timeout), "--fault-injection"]
+
+    def server_args(case: str) -> tuple[int, list[str]]:
+        ranks, replicas = ((args.heal_ranks, args.heal_replicas) if case in OVERLAPPING
+                           else (args.ranks, args.expert_replicas))
+        restart = (["--restart", "on-failure", "--restart-backoff", str(args.restart_backoff)] if case in HEAL_CASES
+                   else ["--restart", "never"])
+        return ranks, ["--ranks", str(ranks), "--expert-replicas", str(replicas), "--preset", "tiny",
+                       "--max-num-tokens", str(args.max_num_tokens), "--peer-timeout", str(args.peer_timeout),
+                       "--stall-timeout", str(args.stall_timeout), "--fault-injection", *restart]
+
     load_before = load_average_1min()
-    rows = []
+    rows, servers = [], {}
     for i, case in enumerate(cases):
         plan = arrivals(args.rate, 10_000, args.duration, args.clients, args.isl, args.isl_ratio, args.cv,
                         args.max_num_tokens, args.seed + i)
-        with ServerProcess(server_args, free_port(), startup_timeout_s=300) as server:
+        ranks, case_args = server_args(case)
+        servers[case] = "dwdp serve " + " ".join(case_args)
+        with ServerProcess(case_args, free_port(), startup_timeout_s=300) as server:
             health = httpx.get(f"{server.url}/health", timeout=10).json()
-            pid = health["workers"][args.victim]["pid"]
-            warm = arrivals(100.0, 2 * args.ranks, 10.0, args.clients, args.isl, args.isl_ratio, 0.0,
+            pids = [w["pid"] for w in health["workers"]]
+            warm = arrivals(100.0, 2 * ranks, 10.0, args.clients, args.isl, args.isl_ratio, 0.0,
                             args.max_num_tokens, args.seed + 999)
             asyncio.run(run_rate(server.url, warm, args.timeout))  # first forwards touch buffers, build plans
-            results, fault = asyncio.run(_run_case(case, server.url, plan, pid, args))
+            probe = arrivals(args.rate, 3 * ranks, 3 * ranks / args.rate, args.clients, args.isl, args.isl_ratio,
+                             args.cv, args.max_num_tokens, args.seed + 500 + i)
+            plan, results, fault = asyncio.run(_run_case(case, server.url, plan, pids, args, probe))
             health = httpx.get(f"{server.url}/health", timeout=10).json()
-        rows.append(summarise(case, plan, results, fault, model, args, args.ranks, health))
+        rows.append(summarise(case, plan, results, fault, model, args, ranks, health))
         print(f"{case}: {rows[-1]['errors'] or 'no errors'}", flush=True)
     out = Path(args.out) if args.out else RESULTS / "chaos_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"command": command_line("chaos.py", args),
             "machine": machine(), "device": "cpu",
             "load_average_1min": {"before": load_before, "after": load_average_1min()},
-            "server": "dwdp serve " + " ".join(server_args),
+            "server": servers,
             "model": "tiny preset (DeepSeek-V3-style, 16 experts x 4 MoE layers, fp32)",
             "definitions": __doc__.split("\n\n")[1]}
     out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -227,6 +288,8 @@ def main() -> int:
           f"into {args.duration:g} s at {args.rate:g} req/s; CPU only, {os.cpu_count()} cores, 1-min load average "
           f"{load_before:.2f} before, {meta['load_average_1min']['after']:.2f} after; results in {out}")
     print(format_table(rows))
+    if any("rejoined_s" in r for r in rows):
+        print(format_heal_table(rows))
     return 0
 
 

@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a worker silent this long gets no new requests until it reports again (default 2)")
     serve.add_argument("--fault-injection", action="store_true",
                        help="enable POST /admin/fault {\"rank\": r}: make rank r's memory unreadable (chaos tests)")
+    serve.add_argument("--restart", choices=("never", "on-failure"), default=None,
+                       help="start a dead worker again as the same rank, which rejoins its group (default on-failure "
+                            "in dwdp mode on the cpu, never elsewhere)")
+    serve.add_argument("--restart-backoff", type=float, default=0.5,
+                       help="seconds before a worker's first restart in a minute; doubles with each further (default 0.5)")
+    serve.add_argument("--max-restarts-per-minute", type=_positive_int, default=3,
+                       help="restarts of one worker within a minute; one more death leaves it down (default 3)")
     serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
     serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
@@ -331,7 +338,8 @@ def _run(args) -> int:
                 stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
                 dtype=args.dtype, mode=args.mode, step_timeout_s=args.step_timeout, batch_order=args.batch_order,
-                fairness_s=args.fairness)
+                fairness_s=args.fairness, restart=args.restart, restart_backoff_s=args.restart_backoff,
+                max_restarts_per_minute=args.max_restarts_per_minute)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         if config.device == "cuda":

@@ -10,6 +10,10 @@ ENV_VARS = {
     "DWDP_LOG_LEVEL": "log level of the dwdp logger (default WARNING)",
     "DWDP_KERNEL_CONFIGS": "directory of tuned kernel configuration files, read before the shipped ones "
                            "(`dwdp tune-kernel` writes there when set)",
+    "DWDP_GROUP_ID": "names the DWDP groups' boards in DWDP_SHM_DIR, where a restarted rank finds its peers "
+                     "(default: MASTER_ADDR-MASTER_PORT of the world)",
+    "DWDP_REJOIN": "1 in a process started to replace a lost rank: `init_group` joins the running group through "
+                   "its board, with no collective (default 0)",
     "DWDP_KERNEL_TMA": "1 reads the Triton experts kernel's tiles through TMA descriptors where the device and "
                        "the layout allow it; 0 never; unset: pointer loads unless the tiles ask for tma=True "
                        "(TMA is not yet measured at least as fast on a GPU)",
@@ -58,4 +62,15 @@ def kernel_tma() -> bool | None:
         return None
     if value not in ("0", "1"):
         raise ValueError(f"DWDP_KERNEL_TMA={value!r} must be 0 or 1")
+    return value == "1"
+
+
+def group_id() -> str | None:
+    return os.environ.get("DWDP_GROUP_ID") or None
+
+
+def rejoin() -> bool:
+    value = os.environ.get("DWDP_REJOIN", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"DWDP_REJOIN={value!r} must be 0 or 1")
     return value == "1"

@@ -59,8 +59,9 @@ def server(tmp_path_factory):
     (root / "shm").mkdir()
     (root / "kv").mkdir()
     shm_before = shm_entries()
+    # --restart never: today's behaviour, a dead worker stays dead (test_serve_restart has the other)
     proc = ServerProcess(["--ranks", "3", "--expert-replicas", "2", "--peer-timeout", "1", "--preset", "tiny",
-                          "--kv-dir", str(root / "kv")], free_port(),
+                          "--restart", "never", "--kv-dir", str(root / "kv")], free_port(),
                          env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
     proc.root, proc.shm_before = root, shm_before
     proc.start()

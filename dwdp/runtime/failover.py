@@ -10,6 +10,13 @@ Each rank keeps its own view of which peers are lost, and why. A peer is declare
 A stalled peer (alive, heartbeat silent) is reported, not lost: copies read its memory without
 its help, so it slows nobody.
 
+A lost peer can come back: a new process of the same rank (dwdp.runtime.rejoin) publishes its new
+segment and liveness record on the group's board (dwdp.runtime.board). Each survivor looks there for
+its lost peers when it reads liveness; when it finds a new incarnation it maps that segment and
+record and re-plans back towards the placement's balanced sources. The old incarnation's mapping was
+dropped when it was declared lost, so its memory is never read again. A rejoin found while a
+forward runs waits for the next forward to start: a forward runs on one plan from start to end.
+
 On a loss the rank re-plans alone: `surviving_sources` picks new owners (every survivor computes
 the same choice from the same lost set), every cached copy plan is dropped, the transport forgets
 the peer (its mapping goes), and the prefetcher retries a failed slot from the new sources. An
@@ -18,6 +25,7 @@ with ExpertsUnavailable, naming the experts and the lost ranks; other forwards s
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -59,6 +67,9 @@ class FailoverStatus:
     retried_slices: int
     unservable_experts: tuple[int, ...]
     device_lost: str | None
+    rejoins: dict[int, int] = dataclasses.field(default_factory=dict)  # peer -> times it rejoined
+    redundancy: tuple[int, ...] = ()  # per expert: owners not lost, as this rank sees them
+    rejoining: tuple[int, ...] = ()   # lost peers found back, taken into the plans at the next forward
 
     @property
     def can_serve_all(self) -> bool:
@@ -71,11 +82,12 @@ class Failover:
 
     plans: the PlanCache to re-point; transport: forgets lost peers; liveness: peers' records
     (None: losses are only learnt from copy errors); peer_timeout_s: how long a copy may be
-    outstanding before its peer's liveness is checked; record: this rank's own LivenessRecord.
+    outstanding before its peer's liveness is checked; record: this rank's own LivenessRecord;
+    board: the group's Board, where lost peers that come back are found (None: they never do).
     """
 
     def __init__(self, placement: Placement, rank: int, plans, transport, liveness: PeerLiveness | None,
-                 peer_timeout_s: float, record=None):
+                 peer_timeout_s: float, record=None, board=None):
         self.placement, self.rank, self.plans, self.transport = placement, rank, plans, transport
         self.liveness, self.peer_timeout_s = liveness, peer_timeout_s
         self.lost: dict[int, str] = {}
@@ -85,11 +97,16 @@ class Failover:
         self._unservable_ids: torch.Tensor | None = None  # [U] int64, on the router's device
         self.device_lost: str | None = None
         self._record = record  # this rank's LivenessRecord, marked failed with its device
+        self.board = board
+        self.rejoins: dict[int, int] = {}
+        self._lost_pid: dict[int, int] = {}  # the process each lost peer was when it was lost
+        self.pending: dict[int, dict] = {}   # peer -> board entry: rejoined, applied at the next forward
 
     # -- learning about losses -----------------------------------------------------------------
-    def poll(self) -> dict[int, str]:
-        """Read every watched peer's record; declare the exited and failed ones lost. Returns the
-        newly lost peers with their reasons."""
+    def poll(self, rejoin_now: bool = True) -> dict[int, str]:
+        """Read every watched peer's record; declare the exited and failed ones lost; look for lost
+        peers that came back and take them back (now, or at the next forward when `rejoin_now` is
+        False). Returns the newly lost peers with their reasons."""
         if self.liveness is None:
             return {}
         found = {}
@@ -98,7 +115,47 @@ class Failover:
             if status.is_lost:
                 found[peer] = status.describe(peer)
         self.declare_lost(found)
+        self.pending = self.find_rejoined()  # read afresh: an entry whose process died since is gone
+        if rejoin_now and self.pending:
+            self.take_back(self.pending)
+            self.pending = {}
         return found
+
+    def find_rejoined(self) -> dict[int, dict]:
+        """Lost peers whose board entry names a new, living process: peer -> that entry."""
+        if self.board is None:
+            return {}
+        found = {}
+        for peer in self.lost:
+            entry = self.board.read(peer)
+            if entry is not None and int(entry["pid"]) != self._lost_pid.get(peer):
+                found[peer] = entry
+        return found
+
+    def take_back(self, rejoined: dict[int, dict]) -> list[int]:
+        """Map each rejoined peer's new segment and record and re-plan with it; returns the peers
+        taken back (one whose new process is already gone again stays lost)."""
+        back = []
+        for peer, entry in sorted(rejoined.items()):
+            if peer not in self.lost:
+                continue
+            try:
+                self.transport.open_peer(peer, entry["segment"])
+                if self.liveness is not None:
+                    self.liveness.watch(peer, entry["record"])
+            except FileNotFoundError as exc:  # its /proc/<pid>/fd paths died with it
+                log.warning("rank %d: peer %d (pid %s) rejoined and went again (%s)", self.rank, peer, entry["pid"],
+                            exc)
+                self.transport.forget_peer(peer)
+                continue
+            del self.lost[peer]
+            self.rejoins[peer] = self.rejoins.get(peer, 0) + 1
+            back.append(peer)
+        if back:
+            self._replan()
+            log.warning("rank %d: peers %s rejoined (new pids %s); re-planned, %d expert(s) without an owner",
+                        self.rank, back, [rejoined[p]["pid"] for p in back], len(self.unservable))
+        return back
 
     def copy_failed(self, peer: int, error: BaseException) -> dict[int, str]:
         """The reason to record for `peer` after a copy from it failed with `error`."""
@@ -128,6 +185,23 @@ class Failover:
         if not new:
             return False
         self.lost.update(new)
+        for peer in new:
+            if self.liveness is not None and peer in self.liveness.peers:
+                self._lost_pid[peer] = self.liveness.pid(peer)
+        self._replan()
+        for peer in new:
+            self.transport.forget_peer(peer)
+            if self.liveness is not None:
+                self.liveness.forget(peer)
+            if self.board is not None:
+                self.board.sweep(peer)
+        for peer, why in sorted(new.items()):
+            log.warning("rank %d: peer %d lost (%s); re-planned, %d expert(s) without an owner: %s", self.rank, peer,
+                        why, len(self.unservable), sorted(self.unservable))
+        return True
+
+    def _replan(self) -> None:
+        """Point the plans at the sources the lost set leaves (the placement's own when none is lost)."""
         sources = surviving_sources(self.placement, self.lost)[self.rank]
         self.plans.set_sources(sources)
         unservable = sorted(e for e in self.placement.missing_experts(self.rank) if sources[e] == NO_SOURCE)
@@ -135,14 +209,11 @@ class Failover:
         self._unservable_ids = torch.tensor(unservable, dtype=torch.long)
         self.unservable = frozenset(unservable)
         self.replans += 1
-        for peer in new:
-            self.transport.forget_peer(peer)
-            if self.liveness is not None:
-                self.liveness.forget(peer)
-        for peer, why in sorted(new.items()):
-            log.warning("rank %d: peer %d lost (%s); re-planned, %d expert(s) without an owner: %s", self.rank, peer,
-                        why, len(self.unservable), sorted(self.unservable))
-        return True
+
+    def redundancy(self) -> tuple[int, ...]:
+        """Per expert, how many of its owners are not lost (this rank's view)."""
+        return tuple(sum(o not in self.lost for o in self.placement.owners(e))
+                     for e in range(self.placement.num_experts))
 
     def inject_fault(self, rank: int, reason: str) -> None:
         """Treat `rank`'s memory as unreadable from now on: copies from it fail (the transport's
@@ -187,4 +258,5 @@ class Failover:
         if self.liveness is not None:
             stalled = tuple(p for p in self.liveness.peers if self.liveness.status(p).state == "stalled")
         return FailoverStatus(self.rank, dict(self.lost), stalled, self.replans, self.retried_slices,
-                              tuple(sorted(self.unservable)), self.device_lost)
+                              tuple(sorted(self.unservable)), self.device_lost, dict(self.rejoins),
+                              self.redundancy(), tuple(sorted(self.pending)))

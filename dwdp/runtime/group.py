@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dwdp import envs
+
 
 @dataclass
 class DWDPGroup:
@@ -21,7 +23,11 @@ class DWDPGroup:
 
     rank/size: position and size inside the DWDP group; global_rank/world_size: in the whole world.
     process_group: the torch.distributed group of the DWDP group (None when size is 1 and no
-    process group exists).
+    process group exists, and for a rank rejoining a running group).
+    group_id: names the group's board (dwdp.runtime.board), where a restarted rank and its peers
+    find each other; None: no board, a lost rank never comes back.
+    rejoining: this process replaces a lost rank of a running group: it joins through the board,
+    with no collective (see dwdp.runtime.rejoin).
     """
 
     rank: int
@@ -29,6 +35,8 @@ class DWDPGroup:
     global_rank: int = 0
     world_size: int = 1
     process_group: object | None = None
+    group_id: str | None = None
+    rejoining: bool = False
 
     def __post_init__(self):
         if not 0 <= self.rank < self.size:
@@ -37,6 +45,8 @@ class DWDPGroup:
     def all_gather_object(self, obj) -> list:
         if self.size == 1:
             return [obj]
+        if self.rejoining:
+            raise RuntimeError(f"rank {self.rank} is rejoining its group: it has no collective to exchange over")
         if self.process_group is None:
             raise RuntimeError(f"DWDP group of size {self.size} has no process group to exchange handles over")
         out = [None] * self.size
@@ -61,12 +71,38 @@ def default_backend() -> str:
     return "cpu:gloo,cuda:nccl"
 
 
+def group_id(global_rank: int, size: int) -> str:
+    """The board name of the DWDP group holding `global_rank`: DWDP_GROUP_ID (default: the world's
+    MASTER_ADDR and MASTER_PORT), then the group's index in the world. A replacement started with
+    the same environment computes the same name."""
+    world = envs.group_id() or f"{os.environ.get('MASTER_ADDR', 'local')}-{os.environ.get('MASTER_PORT', '0')}"
+    return f"{world.replace('/', '_')}-g{global_rank // size}"
+
+
+def rejoin_group(group_size: int | None = None) -> DWDPGroup:
+    """This process's place in a running world it replaces a lost rank of (same RANK, WORLD_SIZE,
+    MASTER_ADDR and MASTER_PORT, or DWDP_GROUP_ID, as the rank it replaces): no process group is
+    joined, the peers are found on the group's board."""
+    try:
+        global_rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    except KeyError as exc:
+        raise ValueError(f"a rejoining rank needs {exc.args[0]} in its environment (the rank it replaces)") from None
+    size = group_size or world
+    if world % size:
+        raise ValueError(f"group_size={size} must divide the world size {world}")
+    return DWDPGroup(global_rank % size, size, global_rank, world, None, group_id(global_rank, size), rejoining=True)
+
+
 def init_group(group_size: int | None = None, backend: str | None = None, timeout_s: float = 120.0) -> DWDPGroup:
     """Join the world described by the env:// variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)
     and return this rank's DWDP group of `group_size` consecutive ranks (default: the whole world).
 
     Without those variables and with no initialised process group, returns a one-rank group.
+    With DWDP_REJOIN=1 (a process started to replace a lost rank), joins through the board instead:
+    see `rejoin_group`.
     """
+    if envs.rejoin():
+        return rejoin_group(group_size)
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             if group_size not in (None, 1):
@@ -87,7 +123,7 @@ def init_group(group_size: int | None = None, backend: str | None = None, timeou
         pg = dist.new_group(ranks) if size < world else dist.group.WORLD
         if global_rank in ranks:
             mine = pg
-    return DWDPGroup(global_rank % size, size, global_rank, world, mine)
+    return DWDPGroup(global_rank % size, size, global_rank, world, mine, group_id(global_rank, size))
 
 
 def free_port() -> int:

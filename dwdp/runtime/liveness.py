@@ -57,6 +57,7 @@ class LivenessRecord:
         self.path: Path | None = directory / f"{LIVENESS_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}"
         with open(self.path, "wb") as f:
             f.truncate(8 * _WORDS)
+        self._fd: int | None = os.open(self.path, os.O_RDWR)  # /proc/<pid>/fd/<fd>: the board's handle
         self.words = map_file(str(self.path), 8 * _WORDS).view(torch.int64)  # [4]
         self.words[_PID] = os.getpid()
         self.words[_STATE] = STARTING
@@ -67,6 +68,14 @@ class LivenessRecord:
 
     def handle(self) -> dict:
         return {"path": str(self.path), "pid": os.getpid(), "host": socket.gethostname()}
+
+    def board_handle(self) -> dict:
+        """A handle valid for as long as this process lives (dwdp.runtime.board)."""
+        return {"path": f"/proc/{os.getpid()}/fd/{self._fd}", "pid": os.getpid(), "host": socket.gethostname()}
+
+    @property
+    def is_serving(self) -> bool:
+        return int(self.words[_STATE]) == SERVING
 
     def start(self) -> None:
         """Mark SERVING and beat until `close`."""
@@ -96,6 +105,9 @@ class LivenessRecord:
         if int(self.words[_STATE]) != FAILED:
             self.words[_STATE] = CLOSED
         self.seal()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 @dataclass(frozen=True)
@@ -146,20 +158,28 @@ def process_exited(pid: int, pidfd: int | None) -> bool:
 class PeerLiveness:
     """The records of every peer of `rank` on this host, mapped once at setup."""
 
-    def __init__(self, rank: int, handles: list[dict], stall_after_s: float):
+    def __init__(self, rank: int, handles: list[dict | None], stall_after_s: float):
+        """handles[r]: rank r's record handle; None for a peer already lost (not watched)."""
         self.rank, self.stall_after_s = rank, stall_after_s
-        host = socket.gethostname()
         self._words: dict[int, torch.Tensor] = {}
         self._pids: dict[int, int] = {}
         self._pidfds: dict[int, int | None] = {}
         for peer, handle in enumerate(handles):
-            if peer == rank or handle.get("host") != host:
-                continue
-            if not os.path.exists(handle["path"]):
-                raise FileNotFoundError(f"rank {rank}: liveness record {handle['path']} of peer {peer} does not exist")
-            self._words[peer] = map_file(handle["path"], 8 * _WORDS).view(torch.int64)
-            self._pids[peer] = int(handle["pid"])
-            self._pidfds[peer] = _pidfd(int(handle["pid"]))
+            if peer != rank and handle is not None:
+                self.watch(peer, handle)
+
+    def watch(self, peer: int, handle: dict) -> None:
+        """Map `peer`'s record (at setup, or a new incarnation's once the old one was forgotten)."""
+        if peer in self._words:
+            raise RuntimeError(f"rank {self.rank}: already watching peer {peer}; forget({peer}) first")
+        if handle.get("host") != socket.gethostname():
+            return  # on another host: no record to read here, its status stays unknown
+        if not os.path.exists(handle["path"]):
+            raise FileNotFoundError(f"rank {self.rank}: liveness record {handle['path']} of peer {peer} does not exist")
+        pidfd = _pidfd(int(handle["pid"]))  # first: a record of a process that has gone reads as exited
+        self._words[peer] = map_file(handle["path"], 8 * _WORDS).view(torch.int64)
+        self._pids[peer] = int(handle["pid"])
+        self._pidfds[peer] = pidfd
 
     @property
     def peers(self) -> tuple[int, ...]:

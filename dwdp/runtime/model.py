@@ -28,10 +28,12 @@ from dwdp.runtime.experts_kernel import (TOP_K_FORMS, choose_experts_kernel, com
                              kernel_weight_tables, routing_top_k)
 from dwdp.runtime.failover import Failover, FailoverStatus
 from dwdp.runtime.group import DWDPGroup, init_group
-from dwdp.runtime.liveness import close_records, exchange_records
+from dwdp.runtime.board import Board
+from dwdp.runtime.liveness import LivenessRecord, PeerLiveness, close_records, exchange_records, heartbeat_period
 from dwdp.runtime.placement import build_placement
 from dwdp.runtime.plan import PlanCache, SegmentLayout, arrival_order, slot_layout
 from dwdp.runtime.prefetch import Prefetcher
+from dwdp.runtime.rejoin import PeerEntries, live_owner_of_each, peer_source
 from dwdp.observe.nvtx_ranges import NvtxRanges
 from dwdp.observe.tracing import TraceRecorder, attach_nvtx_hooks, attach_phase_hooks
 from dwdp.runtime.transport import make_transport, resolve_backend
@@ -99,6 +101,16 @@ def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order:
         full = tensor.stacked(layer.module, spec.num_experts)  # [E, *shape]
         tables[tensor.name] = [full[e] for e in table_order]
     return tables
+
+
+def check_same_dense_as_peers(rank: int, checksum: int, peers: "PeerEntries") -> None:
+    """ValueError when a rejoining rank's dense-weight checksum differs from its live peers'."""
+    differ = {r: e["dense_checksum"] for r, e in enumerate(peers.entries)
+              if e is not None and e["dense_checksum"] != checksum}
+    if differ:
+        raise ValueError(f"rank {rank} rejoins with dense (non-expert) weights of checksum {checksum:#018x}, but ranks "
+                         f"{sorted(differ)} hold {sorted({f'{c:#018x}' for c in differ.values()})}: a replacement must "
+                         "load the same model as its group (same checkpoint, same seed)")
 
 
 def check_same_dense(checksums: list[int]) -> None:
@@ -187,39 +199,66 @@ class DWDPModel(ModelWrapper):
         slots = slot_layout(placement, group.rank, tensor_nbytes)
         full_bytes = len(layers) * num_experts * sum(t.nbytes for t in first.spec.tensors)
 
+        # The board is where a restarted rank and its peers find each other (host segments only).
+        board = Board(group.group_id) if group.group_id and group.size > 1 and backend == "host" else None
+        if group.rejoining and board is None:
+            raise ValueError(f"rank {group.rank} cannot rejoin: the {backend} backend has no board "
+                             f"(group_id={group.group_id!r}, size {group.size})")
         mapping = _cuda_mapping(config.cuda_mapping, group) if backend == "cuda" else "ipc"
         transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
                                    process_group=group.process_group)
         self.transport = transport
         self._finalizer = weakref.finalize(self, transport.close)
         record = liveness = None
+        lost_at_start: dict[int, str] = {}
+        self.expert_source_used = "model" if expert_source is None else "given"  # "peers" when rejoining
         try:
             segment = transport.alloc_segment(segment_layout.total_nbytes)
             local_ids = torch.tensor(placement.local_experts(group.rank))
             source = expert_source or _module_source(layers)
+            checksum = dense_checksum(model, self.experts_modules)
+            if group.rejoining:
+                peers = PeerEntries.read(board, group.rank, group.size)
+                check_same_dense_as_peers(group.rank, checksum, peers)
+                transport.open(peers.segments(transport.register()))
+                record = LivenessRecord(envs.shm_dir(), heartbeat_period(config.peer_timeout_s))
+                liveness = PeerLiveness(group.rank, peers.records(), config.peer_timeout_s)
+                lost_at_start = {r: f"rank {r} had no live entry on the board when rank {group.rank} rejoined"
+                                 for r in peers.missing}
+                owner_of = live_owner_of_each(placement, group.rank, peers.live)
+                if owner_of is not None:  # a memory copy beats reading the checkpoint: see dwdp.runtime.rejoin
+                    source = peer_source(layers, placement, segment_layout, owner_of, transport.peer_segment,
+                                         source)
+                    self.expert_source_used = "peers"
             for index, layer in enumerate(layers):
                 self._fill_local(index, layer, segment, segment_layout, local_ids, source)
-            # The one setup exchange also carries a checksum of the dense weights: ranks that loaded
-            # different models (another seed, another checkpoint) would compute wrong logits silently.
-            exchanged = group.all_gather_object((transport.register(), dense_checksum(model, self.experts_modules)))
-            check_same_dense([checksum for _, checksum in exchanged])
-            transport.open([handle for handle, _ in exchanged])
-            record, liveness = exchange_records(group, envs.shm_dir(), config.peer_timeout_s)
-            group.barrier()  # every peer has mapped our segment and record: their names can go
+            if not group.rejoining:
+                # The one setup exchange also carries a checksum of the dense weights: ranks that loaded
+                # different models (another seed, another checkpoint) would compute wrong logits silently.
+                exchanged = group.all_gather_object((transport.register(), checksum))
+                check_same_dense([c for _, c in exchanged])
+                transport.open([handle for handle, _ in exchanged])
+                record, liveness = exchange_records(group, envs.shm_dir(), config.peer_timeout_s)
+                group.barrier()  # every peer has mapped our segment and record: their names can go
             transport.seal()
             if record is not None:
                 record.seal()
                 record.start()
+            if board is not None:
+                board.publish(group.rank, transport.board_handle(), record.board_handle(), checksum)
         except BaseException:
             transport.close()
             close_records(record, liveness)
             raise
         self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
+        self._board_finalizer = weakref.finalize(self, board.withdraw, group.rank) if board is not None else None
 
         slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
         plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes_for(backend))
         # A lost peer is a plan change made here, from this rank's own view: never a collective.
-        self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record)
+        self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record,
+                                 board)
+        self.failover.declare_lost(lost_at_start)
         self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover)
 
         # Remote experts in the order their copies complete, so the ones landed at any moment are
@@ -245,7 +284,8 @@ class DWDPModel(ModelWrapper):
             )
 
         route_experts(model, layers, EXPERTS_IMPLEMENTATION, dwdp_experts_forward)
-        self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward())]
+        self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward()),
+                       model.register_forward_hook(lambda *_: self.prefetcher.end_forward())]
         if backend == "cuda":
             self.prefetcher.nvtx = NvtxRanges()
             self._hooks += attach_nvtx_hooks(model, self.prefetcher.nvtx, [layer.name for layer in layers])
@@ -334,7 +374,10 @@ class DWDPModel(ModelWrapper):
 
     def check_peers(self) -> FailoverStatus:
         """Read the peers' liveness now (forwards also do, as they start), re-plan around any loss,
-        and return what this rank knows: lost and stalled peers, re-plans, unservable experts."""
+        take back lost peers that rejoined as new processes (at once between forwards; at the next
+        forward's start while one runs), and return what this rank knows: lost and stalled peers,
+        rejoined peers (`rejoins`: peer -> times) and those found but not yet in the plans
+        (`rejoining`), re-plans, unservable experts, and owners left per expert (`redundancy`)."""
         return self.prefetcher.poll_peers()
 
     def inject_fault(self, rank: int, reason: str = "injected fault") -> None:
@@ -358,6 +401,8 @@ class DWDPModel(ModelWrapper):
         finally:
             self._finalizer()
             self._liveness_finalizer()
+            if self._board_finalizer is not None:
+                self._board_finalizer()
             if self.recorder is not None:
                 self.trace_path = self.recorder.write()
                 self.recorder = None

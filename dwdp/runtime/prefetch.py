@@ -71,6 +71,7 @@ class Prefetcher:
         self.failover = failover  # a dwdp.runtime.failover.Failover, or None: any copy error is final
         self.stats = PrefetchStats()
         self._visit = 0
+        self._in_forward = False  # between start_forward and end_forward: rejoins wait for the next
         self._cond = threading.Condition()
         self.recorder = None  # a dwdp.observe.tracing.TraceRecorder while tracing
         self.nvtx = None      # a dwdp.observe.nvtx_ranges.NvtxRanges on CUDA
@@ -89,8 +90,9 @@ class Prefetcher:
         """Make sure layer 0 is on its way before the forward reaches its first MoE layer (after
         reading the peers' liveness, so a loss since the last forward is planned around)."""
         with self._cond:
+            self._in_forward = True
             if self.failover is not None:
-                self.failover.poll()
+                self.failover.poll()  # a forward's start is where a rejoined peer enters the plans
                 self.failover.check_device()
             if self._visit % self.num_layers != 0:
                 # The previous forward stopped early: restart the cycle at the next layer 0.
@@ -103,8 +105,14 @@ class Prefetcher:
         if self.failover is None:
             return None
         with self._cond:
-            self.failover.poll()
+            # A forward runs on one plan: a rejoin found during one is taken at the next start.
+            self.failover.poll(rejoin_now=not self._in_forward)
             return self.failover.status()
+
+    def end_forward(self) -> None:
+        """The model's forward returned (one that raised is ended by the next start_forward)."""
+        with self._cond:
+            self._in_forward = False
 
     def begin(self, layer: int, routed: torch.Tensor | None = None) -> int:
         """Enter MoE layer `layer`: make sure its copy is issued, issue the next layer's copy into

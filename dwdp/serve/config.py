@@ -6,6 +6,7 @@ from dataclasses import dataclass
 PRESETS = ("tiny", "small")
 MODES = ("dwdp", "dep")
 BATCH_ORDERS = ("fifo", "shortest")
+RESTARTS = ("never", "on-failure")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -57,6 +58,11 @@ class ServeConfig:
         modes in `dwdp bench serve`) or "shortest" (shortest first, never past a prompt older than
         `fairness_s`).
     fairness_s: "shortest" only: a prompt queued this long goes first, whatever its length.
+    restart: "on-failure" starts a dead worker again, as the same rank, which rejoins its DWDP group
+        (dwdp.serve.restarts); "never" leaves it dead. None: "on-failure" where a rank can rejoin (dwdp
+        mode on the CPU's host backend), "never" elsewhere.
+    restart_backoff_s: delay before a worker's first restart in a minute; doubles with each further one.
+    max_restarts_per_minute: restarts of one rank within a minute; one more death leaves it down.
     """
 
     ranks: int = 2
@@ -84,6 +90,9 @@ class ServeConfig:
     step_timeout_s: float = 30.0
     batch_order: str = "fifo"
     fairness_s: float = 0.5
+    restart: str | None = None
+    restart_backoff_s: float = 0.5
+    max_restarts_per_minute: int = 3
 
     def __post_init__(self):
         _check_int("ranks", self.ranks, 1)
@@ -125,6 +134,19 @@ class ServeConfig:
         if self.batch_order not in BATCH_ORDERS:
             raise ValueError(f"batch_order={self.batch_order!r} is not one of {BATCH_ORDERS}")
         _check_seconds("fairness_s", self.fairness_s)
+        if self.restart is not None and self.restart not in RESTARTS:
+            raise ValueError(f"restart={self.restart!r} is not one of {RESTARTS}")
+        if self.restart == "on-failure" and (self.mode != "dwdp" or self.device != "cpu"):
+            raise ValueError(f"restart='on-failure' needs a rank that can rejoin its group: dwdp mode on the cpu "
+                             f"device (got mode={self.mode!r}, device={self.device!r}); use restart='never'")
+        _check_seconds("restart_backoff_s", self.restart_backoff_s)
+        _check_int("max_restarts_per_minute", self.max_restarts_per_minute, 1)
+
+    @property
+    def restarts_workers(self) -> bool:
+        if self.restart is not None:
+            return self.restart == "on-failure"
+        return self.mode == "dwdp" and self.device == "cpu"
 
     @property
     def health_interval_s(self) -> float:

@@ -52,6 +52,9 @@ class _PoolCollector:
             "replans": ("dwdp_serve_replans", "copy plans a worker rebuilt around lost peers", "replans"),
             "retried_slices": ("dwdp_serve_retried_slices", "copy slices a worker copied again from another owner",
                                "retried_slices"),
+            "restarts": ("dwdp_serve_worker_restarts", "times the router started a dead worker again", "restarts"),
+            "rejoins": ("dwdp_serve_worker_rejoins", "restarts that rejoined the DWDP group and reported ready",
+                        "rejoins"),
         }
         families = []
         for name, doc, _ in gauges.values():
@@ -84,6 +87,16 @@ class _PoolCollector:
                                   value=snap["retried"])
         yield CounterMetricFamily("dwdp_serve_failed_requests", "admitted requests answered with an error",
                                   value=snap["failed"])
+        down = GaugeMetricFamily("dwdp_serve_worker_down", "1 for a worker left down after too many restarts",
+                                 labels=["rank"])
+        for worker in snap["workers"]:
+            down.add_metric([str(worker["rank"])], float(worker["down_reason"] is not None))
+        yield down
+        redundancy = GaugeMetricFamily("dwdp_serve_expert_redundancy", "routable workers holding each expert locally",
+                                       labels=["expert"])
+        for expert, count in enumerate(snap["redundancy"]):
+            redundancy.add_metric([str(expert)], float(count))
+        yield redundancy
 
 
 class ServeMetrics:

@@ -10,6 +10,11 @@ Workers report their failover status several times per stall bound. A worker is 
 is alive, has spoken within `stall_timeout_s`, and can still reach every expert; a degraded one
 (lost experts or its own device) gets no new requests, and the requests it fails for that reason
 are handed to another worker, or answered 503 with its reason when none is left.
+
+With restarts on (dwdp.serve.restarts), a dead worker, or one whose own device is lost (stopped
+first), is started again as the same rank after a back-off: the new process rejoins the DWDP group
+without a collective and gets requests only once it reports ready. A rank that keeps dying is left
+down with its reason; the others keep serving.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from dwdp.runtime.group import free_port
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.errors import ServeError
+from dwdp.serve.restarts import RestartPolicy
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
                        WorkerFailed, WorkerHealth, WorkerReady)
 from dwdp.serve.routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
@@ -75,6 +81,10 @@ class _Rank:
     first_forwards: list = field(default_factory=list)  # (seconds, padded tokens) of its first forwards
     last_heard: float = 0.0                             # monotonic time of its latest message
     is_stalled: bool = False                            # silent for longer than stall_timeout_s
+    restarts: int = 0                                   # times its process was started again
+    rejoins: int = 0                                    # restarts that rejoined the group and got ready
+    restart_at: float | None = None                     # monotonic time of its next start, while dead
+    down_reason: str | None = None                      # why it is left down for good
 
     @property
     def is_routable(self) -> bool:
@@ -99,6 +109,11 @@ class WorkerPool:
         self._is_draining = False
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._restarts = (RestartPolicy(config.restart_backoff_s, config.max_restarts_per_minute)
+                          if config.restarts_workers else None)
+        self._is_serving = False                         # every worker was ready once: a dead one may restart
+        self._port: int | None = None
+        self._old_queues: list = []                      # request queues of dead processes, closed at the end
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self) -> None:
@@ -109,22 +124,41 @@ class WorkerPool:
             line = sharing_line(self.config.ranks, require_gpu("dwdp serve"))
             if line:
                 log.info("%s", line)
-        port = free_port()
-        target = worker_main
-        if self.config.mode == "dep":
-            from dwdp.serve.dep_worker import dep_worker_main as target
+        self._port = free_port()
         for rank in range(self.config.ranks):
             requests = self._ctx.Queue()
-            process = self._ctx.Process(
-                target=target, name=f"dwdp-serve-{self.config.mode}-rank{rank}", daemon=False,
-                args=(rank, self.config.ranks, port, self.config, self.kv_dir, requests, self._results))
-            self._ranks.append(_Rank(rank, process, requests))
+            self._ranks.append(_Rank(rank, self._worker_process(rank, requests, rejoin=False), requests))
         for r in self._ranks:
             r.process.start()
         for loop in (self._read_results, self._watch_processes):
             thread = threading.Thread(target=loop, name=f"dwdp-router-{loop.__name__}", daemon=True)
             thread.start()
             self._threads.append(thread)
+
+    def _worker_process(self, rank: int, requests, rejoin: bool) -> mp.Process:
+        if self.config.mode == "dep":
+            from dwdp.serve.dep_worker import dep_worker_main
+
+            return self._ctx.Process(target=dep_worker_main, name=f"dwdp-serve-dep-rank{rank}", daemon=False,
+                                     args=(rank, self.config.ranks, self._port, self.config, self.kv_dir, requests,
+                                           self._results))
+        return self._ctx.Process(target=worker_main, name=f"dwdp-serve-dwdp-rank{rank}", daemon=False,
+                                 args=(rank, self.config.ranks, self._port, self.config, self.kv_dir, requests,
+                                       self._results, rejoin))
+
+    def _restart_locked(self, r: _Rank, now: float) -> None:
+        """Start rank `r` again: a new process (and queue) that rejoins the group; not routable
+        until it reports ready."""
+        self._old_queues.append(r.requests)
+        r.requests = self._ctx.Queue()
+        r.process = self._worker_process(r.rank, r.requests, rejoin=True)
+        r.process.start()
+        self._restarts.started(r.rank, now)
+        r.restarts += 1
+        r.restart_at, r.is_alive, r.is_ready, r.is_stalled = None, True, False, False
+        r.pid, r.exit_code, r.failure, r.health, r.last_heard = r.process.pid, None, None, {}, now
+        log.warning("worker rank %d started again (restart %d, pid %d): it rejoins its group", r.rank, r.restarts,
+                    r.pid)
 
     def wait_ready(self) -> None:
         """Block until every worker is serving; raises StartupError (naming the rank) otherwise."""
@@ -141,6 +175,7 @@ class WorkerPool:
                     slow = [r.rank for r in self._ranks if not r.is_ready]
                     raise StartupError(f"workers {slow} were not ready within {self.config.startup_timeout_s:.0f} s")
                 self._changed.wait(timeout=min(left, 0.5))
+            self._is_serving = True
 
     def close(self) -> None:
         """Refuse new requests, let admitted ones finish (up to drain_timeout_s), then stop every
@@ -170,7 +205,7 @@ class WorkerPool:
         for req in left:
             self._resolve(req, ServeError(503, "shutting_down", "the server stopped before this request finished",
                                           retry_after=RETRY_AFTER_S))
-        for q in [r.requests for r in self._ranks] + [self._results]:
+        for q in [r.requests for r in self._ranks] + self._old_queues + [self._results]:
             q.cancel_join_thread()  # a dead reader must not block our exit on unflushed data
             q.close()
 
@@ -252,12 +287,20 @@ class WorkerPool:
             if isinstance(msg, WorkerHealth):
                 r = self._ranks[msg.rank]
                 r.health = msg.status
+                if msg.status.get("device_lost") and self._restarts is not None and r.is_alive and r.is_ready:
+                    log.warning("worker rank %d reports its device lost (%s): stopping it to start it again", r.rank,
+                                msg.status["device_lost"])
+                    r.is_ready = False  # nothing new goes to it; its death is handled as any other
+                    r.process.kill()
                 if r.is_stalled:
                     r.is_stalled = False
                     log.warning("worker rank %d reports again: routable once more", r.rank)
                 self._changed.notify_all()
             elif isinstance(msg, WorkerReady):
                 r = self._ranks[msg.rank]
+                if r.restarts:
+                    r.rejoins += 1
+                    log.warning("worker rank %d (pid %d) rejoined its group and is ready", r.rank, msg.pid)
                 r.pid, r.is_ready, r.info = msg.pid, True, msg.worker
                 self.model_info = self.model_info or msg.model_info
                 self._changed.notify_all()
@@ -319,6 +362,11 @@ class WorkerPool:
                 if r.is_alive and r.process.exitcode is not None:
                     self._on_death(r)
             self._check_stalls()
+            with self._changed:
+                now = time.monotonic()
+                for r in self._ranks:
+                    if r.restart_at is not None and now >= r.restart_at and not self._is_draining:
+                        self._restart_locked(r, now)
 
     def _check_stalls(self) -> None:
         """A ready worker silent for stall_timeout_s gets no new requests until it speaks again."""
@@ -339,6 +387,7 @@ class WorkerPool:
             r.exit_code = r.process.exitcode
             if self._is_draining and r.exit_code == 0:
                 return  # a normal exit after STOP
+            self._schedule_restart_locked(r)
             for request_id in list(r.running):
                 req = self._finish_locked(request_id)
                 if req is not None:
@@ -360,6 +409,19 @@ class WorkerPool:
         for req, exc in failed:
             self._resolve(req, exc)
 
+    def _schedule_restart_locked(self, r: _Rank) -> None:
+        if self._restarts is None or not self._is_serving or self._is_draining:
+            return
+        now = time.monotonic()
+        delay = self._restarts.delay(r.rank, now)
+        if delay is None:
+            r.down_reason = self._restarts.down_reason(r.rank, now, r.exit_code, r.failure)
+            log.error("%s", r.down_reason)
+            return
+        r.restart_at = now + delay
+        log.warning("worker rank %d (pid %s) died with exit code %s: starting it again in %.2f s", r.rank, r.pid,
+                    r.exit_code, delay)
+
     def inject_fault(self, rank: int) -> list[int]:
         """Chaos testing: tell every live worker that `rank`'s memory is unreadable from now on;
         returns the ranks told."""
@@ -373,6 +435,19 @@ class WorkerPool:
         return [r.rank for r in told]
 
     # -- observability -------------------------------------------------------------------------
+    def _redundancy_locked(self) -> list[int]:
+        """Per expert, how many routable workers hold it locally (empty before any reported)."""
+        owned = [r.info.get("local_experts") for r in self._ranks]
+        if any(o is None for o in owned):
+            return []
+        num_experts = 1 + max((e for o in owned for e in o), default=-1)
+        counts = [0] * num_experts
+        for r, experts in zip(self._ranks, owned):
+            if r.is_routable:
+                for e in experts:
+                    counts[e] += 1
+        return counts
+
     def snapshot(self) -> dict:
         """Health and load of every worker, for /health and /metrics."""
         with self._lock:
@@ -392,8 +467,12 @@ class WorkerPool:
                 "kernel_compiles_after_ready": r.health.get("kernel_compiles_after_ready") or 0,
                 "first_forwards_ms": [round(s * 1e3, 3) for s, _ in r.first_forwards],
                 "first_forwards_tokens": [n for _, n in r.first_forwards],
+                "restarts": r.restarts, "rejoins": r.rejoins, "down_reason": r.down_reason,
+                "restarting_in_s": None if r.restart_at is None else max(0.0, r.restart_at - now),
+                "peer_rejoins": r.health.get("rejoins", {}),
                 **r.info,
             } for r in self._ranks]
+            redundancy = self._redundancy_locked()
             routable = sum(w["routable"] for w in workers)
             if self._is_draining:
                 status = "draining"
@@ -403,4 +482,7 @@ class WorkerPool:
                 status = "ok" if routable == len(workers) else "degraded"
             return {"status": status, "mode": self.config.mode, "workers": workers, "in_flight": len(self._requests),
                     "retried": self.num_retried, "failed": self.num_failed,
+                    "restarts": sum(r.restarts for r in self._ranks), "rejoins": sum(r.rejoins for r in self._ranks),
+                    "redundancy": redundancy,
+                    "min_redundancy": min(redundancy) if redundancy else None,
                     "tokens_per_s": sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S}

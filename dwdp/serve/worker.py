@@ -72,6 +72,11 @@ def worker_info(model, ready_s: float, backend: str, experts_kernel: str) -> dic
             "local_expert_bytes": model.memory.local_expert_bytes,
             "prefetch_buffer_bytes": model.memory.prefetch_buffer_bytes,
             "warmup_s": getattr(model, "warmup_s", 0.0), "ready_s": ready_s}
+    placement = getattr(model, "placement", None)
+    if placement is not None and hasattr(model, "group"):
+        info["local_experts"] = list(placement.local_experts(model.group.rank))
+    if hasattr(model, "expert_source_used"):
+        info["expert_source"] = model.expert_source_used
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
@@ -224,12 +229,14 @@ def build_worker_model(config: ServeConfig, rank: int):
 
 
 def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfig, kv_dir: str,
-                requests, results) -> None:
-    """Entry point of a spawned worker process."""
+                requests, results, rejoin: bool = False) -> None:
+    """Entry point of a spawned worker process. rejoin: it replaces a dead worker of the running
+    group and joins through the group's board, with no collective (dwdp.runtime.rejoin)."""
     # Ctrl-C reaches the whole process group; the router drains and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+                       "DWDP_REJOIN": "1" if rejoin else "0"})
     torch.set_num_threads(config.threads_per_worker)
     import torch.distributed as dist
 

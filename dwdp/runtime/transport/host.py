@@ -30,6 +30,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -148,6 +149,7 @@ class HostTransport(Transport):
         self._batches: dict[tuple[int, int], tuple[CopyPlan, list[_HostBatch]]] = {}
         self.shm_dir = Path(shm_dir or envs.shm_dir())
         self._path: Path | None = None
+        self._fd: int | None = None  # kept open: /proc/<pid>/fd/<fd> reopens the segment (a rejoining peer)
         self._segment: torch.Tensor | None = None
         self._peers: list[torch.Tensor | None] = []  # None once a lost peer is forgotten
         self.peer_paths: list[str] = []  # segment file of every rank (unlinked after seal; names for /proc/self/maps)
@@ -167,6 +169,7 @@ class HostTransport(Transport):
         with open(path, "wb") as f:
             f.truncate(max(nbytes, 1))
         self._path = path
+        self._fd = os.open(path, os.O_RDWR)
         self._segment = map_file(str(path), max(nbytes, 1))[:nbytes]
         return self._segment
 
@@ -175,10 +178,22 @@ class HostTransport(Transport):
             raise RuntimeError(f"rank {self.rank}: register() before alloc_segment()")
         return {"backend": self.name, "rank": self.rank, "path": str(self._path), "nbytes": self._segment.numel()}
 
-    def open(self, handles: list[dict]) -> None:
+    def board_handle(self) -> dict:
+        """A handle that stays valid for as long as this process lives, names unlinked or not."""
+        if self._fd is None:
+            raise RuntimeError(f"rank {self.rank}: board_handle() before alloc_segment()")
+        return {"backend": self.name, "rank": self.rank, "path": f"/proc/{os.getpid()}/fd/{self._fd}",
+                "nbytes": self._segment.numel()}
+
+    def open(self, handles: list[dict | None]) -> None:
+        """Map every peer's segment; a None handle is a peer already lost (a rank rejoining a group
+        that lacks it): nothing is mapped for it until `open_peer`."""
         peers = []
         for r, handle in enumerate(handles):
-            if handle.get("backend") != self.name:
+            if handle is None and r != self.rank:
+                peers.append(None)
+                continue
+            if handle is not None and handle.get("backend") != self.name:
                 raise ValueError(f"rank {self.rank}: peer {r} uses backend {handle.get('backend')!r}, expected 'host'")
             if r == self.rank:
                 peers.append(self._segment)
@@ -188,8 +203,31 @@ class HostTransport(Transport):
                 raise FileNotFoundError(f"rank {self.rank}: segment {path} of peer {r} does not exist")
             peers.append(map_file(path, max(handle["nbytes"], 1))[: handle["nbytes"]])
         self._peers = peers
-        self.peer_paths = [str(h["path"]) for h in handles]
+        self.peer_paths = [str(h["path"]) if h is not None else "" for h in handles]
         self._start_copiers()
+
+    def peer_segment(self, peer: int) -> torch.Tensor:
+        """`peer`'s mapped segment, uint8 [nbytes] (a rejoining rank copies its experts from it)."""
+        segment = self._peers[peer] if 0 <= peer < len(self._peers) else None
+        if segment is None:
+            raise ValueError(f"rank {self.rank}: peer {peer} has no mapped segment")
+        return segment
+
+    def open_peer(self, peer: int, handle: dict) -> None:
+        """Map the segment of a new incarnation of `peer` (it was lost and forgotten, then rejoined);
+        copies from it are allowed again, whatever the fault hook said of the old one."""
+        if peer == self.rank or not 0 <= peer < len(self._peers):
+            raise ValueError(f"rank {self.rank}: cannot open peer {peer}; expected another rank of "
+                             f"[0, {len(self._peers)})")
+        if self._peers[peer] is not None:
+            raise RuntimeError(f"rank {self.rank}: peer {peer} is still mapped; forget_peer({peer}) first, so the "
+                               "segment of its dead process is never read again")
+        if handle.get("backend") != self.name or handle.get("nbytes") != self._segment.numel():
+            raise ValueError(f"rank {self.rank}: rejoining peer {peer} offers {handle!r}; expected a host segment "
+                             f"of {self._segment.numel()} bytes")
+        self._peers[peer] = map_file(handle["path"], max(handle["nbytes"], 1))[: handle["nbytes"]]
+        self.peer_paths[peer] = str(handle["path"])
+        self.faulty_peers = MappingProxyType({p: why for p, why in self.faulty_peers.items() if p != peer})
 
     def seal(self) -> None:
         if self._path is not None:
@@ -324,6 +362,9 @@ class HostTransport(Transport):
             t.join(timeout=10)
         self._threads.clear()
         self.seal()
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
         self._peers = []
         self._batches = {}
         self._segment = None
