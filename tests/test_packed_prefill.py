@@ -61,7 +61,7 @@ def prefill_all(model, lengths_or_prompts, budget):
             plan.append((state, n))
             left -= n
         sizes.append(sum(n for _, n in plan))
-        for state, token in advance(model, plan):
+        for state, token, _ in advance(model, plan):
             done[state.job.request_id] = (state, token)
     return [done[f"r{i}"] for i in range(len(states))], sizes
 

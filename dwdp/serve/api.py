@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from dwdp.serve.config import prompt_limit
 from dwdp.serve.errors import ServeError
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
 from dwdp.serve.schemas import CompletionRequest, FaultRequest, PrefillRequest
@@ -75,12 +76,13 @@ def _param(loc) -> str:
 
 def create_app(pool, config, tokenizer=None) -> FastAPI:
     """The router app over a started WorkerPool. `pool.model_info` gives the vocabulary and the
-    longest position; prompts longer than config.max_num_tokens are rejected, not chunked."""
+    longest position; prompts up to `prompt_limit` are taken (longer than max_num_tokens: prefilled
+    in chunks), longer ones rejected."""
     app = FastAPI(title="dwdp context server", version="0.1.0")
     metrics = ServeMetrics(pool)
     app.state.metrics = metrics
     vocab = pool.model_info["vocab_size"]
-    max_prompt = min(config.max_num_tokens, pool.model_info["max_position_embeddings"])
+    max_prompt, limit_name = prompt_limit(config, pool.model_info)
 
     def fail(error: ServeError) -> JSONResponse:
         metrics.error(error.error_type)
@@ -114,7 +116,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
                                  f"{field}[{i}]={token} is outside the vocabulary [0, {vocab})", param=field)
         if len(ids) > max_prompt:
             raise ServeError(400, "context_length_exceeded", f"{field} has {len(ids)} tokens; this server takes "
-                             f"at most {max_prompt} per prompt (max_num_tokens, not chunked)", param=field)
+                             f"at most {max_prompt} per prompt ({limit_name})", param=field)
         return ids
 
     def tokenize(text: str, field: str) -> list[int]:

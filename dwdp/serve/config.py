@@ -27,8 +27,12 @@ class ServeConfig:
     preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model; "small": a
         Qwen3-MoE shape with 384 MiB of bf16 experts, for GPUs), seeded by `seed`.
     tokenizer: directory of a tokenizer for text prompts (default: `model` when it has one).
-    max_num_tokens: padded tokens per forward (batch size x longest prompt); also the longest
-        prompt accepted: longer prompts are rejected with 400, not chunked.
+    max_num_tokens: tokens per forward: real tokens of a packed forward (prompts back to back, a
+        longer prompt prefilled in chunks of at most this many); padded tokens (batch size x longest
+        prompt) for a family that cannot pack, where it also bounds the prompt (no chunks).
+    max_prompt_tokens: longest prompt accepted (400 beyond); None = the model's
+        max_position_embeddings, capped by max_queue_tokens. Above the model's positions the server
+        refuses to start (`prompt_limit`).
     max_queue_tokens: prompt tokens one worker may hold (queued + running) before the router
         answers 429; bounds the memory of every queue.
     max_body_bytes: largest request body; bigger ones get 413 before they are parsed.
@@ -67,6 +71,7 @@ class ServeConfig:
     seed: int = 0
     tokenizer: str | None = None
     max_num_tokens: int = 1024
+    max_prompt_tokens: int | None = None
     max_queue_tokens: int = 8192
     max_body_bytes: int = 1 << 20
     kv_dir: str | None = None
@@ -98,6 +103,11 @@ class ServeConfig:
         if self.max_queue_tokens < self.max_num_tokens:
             raise ValueError(f"max_queue_tokens={self.max_queue_tokens} must be >= max_num_tokens="
                              f"{self.max_num_tokens}: a worker must be able to queue the longest prompt")
+        if self.max_prompt_tokens is not None:
+            _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+            if self.max_prompt_tokens > self.max_queue_tokens:
+                raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} must be <= max_queue_tokens="
+                                 f"{self.max_queue_tokens}: a worker must be able to queue the longest prompt")
         _check_int("max_body_bytes", self.max_body_bytes, 64)
         if self.slice_bytes is not None:
             _check_int("slice_bytes", self.slice_bytes, 1)
@@ -137,3 +147,21 @@ class ServeConfig:
         if self.model is not None:
             return self.model.rstrip("/").rsplit("/", 1)[-1]
         return f"dwdp-{self.preset}"
+
+
+def prompt_limit(config: ServeConfig, model_info: dict) -> tuple[int, str]:
+    """(longest prompt the server takes, why that many) once the workers told `model_info`
+    (max_position_embeddings, forwards "packed" or "padded", padded_reason). Raises ValueError
+    naming the value and the limit when max_prompt_tokens is above the model's positions."""
+    positions = int(model_info["max_position_embeddings"])
+    if config.max_prompt_tokens is not None and config.max_prompt_tokens > positions:
+        raise ValueError(f"max_prompt_tokens={config.max_prompt_tokens} is above the model's "
+                         f"max_position_embeddings={positions}")
+    if model_info.get("forwards", "padded") != "packed":
+        limit = min(config.max_num_tokens, positions, config.max_prompt_tokens or positions)
+        return limit, (f"max_num_tokens: this model runs padded forwards, not chunked "
+                       f"({model_info.get('padded_reason', '')})")
+    if config.max_prompt_tokens is not None:
+        return config.max_prompt_tokens, "max_prompt_tokens"
+    limit = min(positions, config.max_queue_tokens)
+    return limit, ("max_position_embeddings" if limit == positions else "max_queue_tokens")

@@ -85,9 +85,10 @@ def packed_forward(model, pieces: list[Piece], prefixes: list) -> tuple[torch.Te
     return logits, kv
 
 
-def advance(model, plan: list[tuple[InProgress, int]]) -> list[tuple[InProgress, int]]:
+def advance(model, plan: list[tuple[InProgress, int]]) -> list[tuple[InProgress, int, torch.Tensor]]:
     """One packed forward of `plan`: the next `n` tokens of each InProgress. Updates each one's
-    done / chunks / kv and returns [(finished prompt, its greedy first token)] in plan order."""
+    done / chunks / kv and returns [(finished prompt, its greedy first token, its last logits [V])]
+    in plan order."""
     pieces = [Piece(state.job.request_id, state.job.input_ids[state.done:state.done + n], state.done)
               for state, n in plan]
     for (state, n), piece in zip(plan, pieces):
@@ -101,5 +102,5 @@ def advance(model, plan: list[tuple[InProgress, int]]) -> list[tuple[InProgress,
         state.done += n
         state.chunks.append(n)
         if state.is_finished:
-            finished.append((state, int(row.argmax())))
+            finished.append((state, int(row.argmax()), row))
     return finished
