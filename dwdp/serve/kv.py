@@ -30,6 +30,11 @@ def artifact_metadata(rank: int, model: str, first_token_id: int, chunks: tuple[
             "chunks": ",".join(map(str, chunks)), "forward": forward}
 
 
+def to_host(layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer as contiguous CPU tensors, ready for write_kv_artifact."""
+    return [(k.to("cpu").contiguous(), v.to("cpu").contiguous()) for k, v in layers]
+
+
 def request_cache(cache, row: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One request's (keys, values) per layer out of a batched, left-padded cache.
 

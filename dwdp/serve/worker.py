@@ -30,7 +30,7 @@ import torch
 
 from dwdp.runtime.failover import RankDegraded
 from dwdp.serve.config import ServeConfig
-from dwdp.serve.kv import artifact_metadata, request_cache, write_kv_artifact
+from dwdp.serve.kv import artifact_metadata, request_cache, to_host, write_kv_artifact
 from dwdp.serve.packed import packing_support
 from dwdp.serve.prefill import InProgress, advance
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
@@ -187,8 +187,7 @@ def run_packed(model, plan: list[tuple[InProgress, int]], rank: int, kv_dir: str
     for state, first, _ in finished:
         job, t0 = state.job, time.monotonic()
         try:
-            layers = [(k.to("cpu").contiguous(), v.to("cpu").contiguous()) for k, v in state.kv]
-            kv = write_kv_artifact(kv_dir, job.request_id, layers, artifact_metadata(
+            kv = write_kv_artifact(kv_dir, job.request_id, to_host(state.kv), artifact_metadata(
                 rank, model_name, first, tuple(state.chunks), "packed"))
         except Exception as exc:
             results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
