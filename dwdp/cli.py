@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-num-tokens", type=_positive_int, default=1024,
                        help="real tokens per packed forward (longer prompts are prefilled in chunks of this many); "
                        "for a family that cannot pack, padded tokens per forward and the longest prompt (default 1024)")
+    serve.add_argument("--forwards", choices=("auto", "padded"), default="auto",
+                       help="auto: packed forwards (no padding, long prompts in chunks) when the model's attention "
+                       "packs, else padded; padded: left-padded batches always (the baseline)")
     serve.add_argument("--max-prompt-tokens", type=int, default=None,
                        help="longest prompt accepted, up to the model's max_position_embeddings (default: those, "
                        "capped by --max-queue-tokens); longer ones get 400")
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                 stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
                 dtype=args.dtype, mode=args.mode, step_timeout_s=args.step_timeout, batch_order=args.batch_order,
-                fairness_s=args.fairness)
+                fairness_s=args.fairness, forwards=args.forwards)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         if config.device == "cuda":

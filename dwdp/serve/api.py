@@ -136,7 +136,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
     def timing(result, ttft: float) -> dict:
         return {"queue_s": result.queue_s, "prefill_s": result.prefill_s, "kv_write_s": result.kv_write_s,
                 "ttft_s": ttft, "batch_size": result.batch_size, "batch_tokens": result.batch_tokens,
-                "prefetch_wait_s": result.prefetch_wait_s}
+                "prefetch_wait_s": result.prefetch_wait_s, "chunks": len(result.chunks) or 1}
 
     @app.post("/v1/prefill")
     async def v1_prefill(body: PrefillRequest):

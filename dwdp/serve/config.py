@@ -6,6 +6,7 @@ from dataclasses import dataclass
 PRESETS = ("tiny", "small")
 MODES = ("dwdp", "dep")
 BATCH_ORDERS = ("fifo", "shortest")
+FORWARDS = ("auto", "padded")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -61,6 +62,9 @@ class ServeConfig:
         modes in `dwdp bench serve`) or "shortest" (shortest first, never past a prompt older than
         `fairness_s`).
     fairness_s: "shortest" only: a prompt queued this long goes first, whatever its length.
+    forwards: "auto" (packed when the family's attention packs, dwdp.serve.packed.packing_support,
+        else padded) or "padded" (left-padded batches whatever the family, no chunks: the baseline
+        `dwdp bench serve` compares packing against).
     """
 
     ranks: int = 2
@@ -89,6 +93,7 @@ class ServeConfig:
     step_timeout_s: float = 30.0
     batch_order: str = "fifo"
     fairness_s: float = 0.5
+    forwards: str = "auto"
 
     def __post_init__(self):
         _check_int("ranks", self.ranks, 1)
@@ -135,6 +140,16 @@ class ServeConfig:
         if self.batch_order not in BATCH_ORDERS:
             raise ValueError(f"batch_order={self.batch_order!r} is not one of {BATCH_ORDERS}")
         _check_seconds("fairness_s", self.fairness_s)
+        if self.forwards not in FORWARDS:
+            raise ValueError(f"forwards={self.forwards!r} is not one of {FORWARDS}")
+
+    def packs(self, model_config) -> tuple[bool, str]:
+        """(whether workers run packed forwards for this model, why not when they do not)."""
+        if self.forwards == "padded":
+            return False, "padded forwards asked for (forwards='padded')"
+        from dwdp.serve.packed import packing_support
+
+        return packing_support(model_config)
 
     @property
     def health_interval_s(self) -> float:

@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
-from dwdp.serve.packed import packing_support
 from dwdp.serve.prefill import InProgress
 from dwdp.serve.scheduling import take_forward, take_pieces
 from dwdp.serve.worker import answer_forward, model_info, pad_left, run_packed, worker_info
@@ -161,7 +160,7 @@ def serve_dep_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
     active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
-    is_packed = packing_support(model.config)[0]
+    is_packed = config.packs(model.config)[0]
     stopping, is_busy, step, last_check = False, False, 0, time.monotonic()
     while True:
         stopping = _collect(requests, pending, stopping, 0.0 if pending or active or is_busy else IDLE_POLL_S)
@@ -274,7 +273,7 @@ def dep_worker_main(rank: int, world_size: int, master_port: int, config: ServeC
         started = time.monotonic()
         model, step_group, pids = build_dep_model(config, rank)
         worker = worker_info(model, time.monotonic() - started, "dep", "torch")
-        results.put(WorkerReady(rank, os.getpid(), {**model_info(model), "mode": "dep"}, worker))
+        results.put(WorkerReady(rank, os.getpid(), {**model_info(model, config), "mode": "dep"}, worker))
         reporter = DEPHealthReporter(rank, results, config.health_interval_s).start()
         serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids)
     except DEPGroupBroken as exc:

@@ -31,7 +31,6 @@ import torch
 from dwdp.runtime.failover import RankDegraded
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import artifact_metadata, request_cache, to_host, write_kv_artifact
-from dwdp.serve.packed import packing_support
 from dwdp.serve.prefill import InProgress, advance
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
                        WorkerHealth, WorkerReady)
@@ -60,9 +59,9 @@ def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask, positions, pads
 
 
-def model_info(model) -> dict:
+def model_info(model, config: ServeConfig) -> dict:
     cfg = model.config
-    is_packed, why = packing_support(cfg)
+    is_packed, why = config.packs(cfg)
     return {"vocab_size": int(cfg.vocab_size), "max_position_embeddings": int(cfg.max_position_embeddings),
             "num_layers": int(cfg.num_hidden_layers), "model_type": cfg.model_type,
             "local_expert_bytes": model.memory.local_expert_bytes,
@@ -229,7 +228,7 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
     active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
-    is_packed = packing_support(model.config)[0]
+    is_packed = config.packs(model.config)[0]
     stopping = False
     while not (stopping and not pending and not active):
         if not pending and not active and not stopping:
@@ -308,7 +307,7 @@ def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfi
     try:
         model = build_worker_model(config, rank)
         ready = worker_info(model, time.monotonic() - started, model.backend, model.experts_kernel)
-        results.put(WorkerReady(rank, os.getpid(), model_info(model), ready))
+        results.put(WorkerReady(rank, os.getpid(), model_info(model, config), ready))
         reporter = HealthReporter(model, rank, results, config.health_interval_s).start()
         serve_queue(model, rank, config, kv_dir, requests, results)
     except BaseException:
