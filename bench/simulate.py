@@ -196,7 +196,7 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
     for mix_name, by_variant in data["results"].items():
         if "dwdp" not in by_variant or "dep" not in by_variant:
             continue
-        service = fitted_service(data["results"], mix_name)
+        service = fitted_service(data["results"], mix_name, packed=by_variant["dwdp"].get("forwards") == "packed")
         mix = mix_from_description(mix_name)
         predicted = simulate_rates(mix, meta["rates"], meta["duration_s"], meta["ranks"], meta["max_num_tokens"],
                                    service, seed)
