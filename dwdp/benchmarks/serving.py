@@ -60,6 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--long-isl", type=int, default=0,
                    help="longest prompt of the long-prompt mix, above --max-num-tokens for chunks (0: no such mix)")
     p.add_argument("--long-ratio", type=float, default=0.25, help="shortest / longest prompt of the long mix")
+    p.add_argument("--long-rates", help="offered requests/s of the long mix (default: --rates scaled by the mixes' "
+                   "mean prompt lengths, so each mix is offered the same tokens/s)")
     p.add_argument("--isl-cv", type=float, default=0.3,
                    help="normal mix: standard deviation / mean (its mean is the uniform mix's); 0 skips the mix")
     p.add_argument("--rates", default="2,4,6,8,10,12,14,16,18,20",
@@ -92,6 +94,18 @@ def parse_variants(text: str) -> list[tuple[str, str, str]]:
 
 def variant_name(mode: str, order: str, forwards: str = "auto") -> str:
     return (mode if order == "fifo" else f"{mode}:{order}") + ("/padded" if forwards == "padded" else "")
+
+
+def mix_rates(args, name: str, rates: list[float]) -> list[float]:
+    """The offered rates of mix `name`: --rates, or for the long mix --long-rates (default: --rates
+    times the first uniform mix's mean length over the long mix's, rounded to 0.1 request/s)."""
+    if not name.startswith("long:"):
+        return rates
+    if args.long_rates:
+        return [float(x) for x in args.long_rates.split(",")]
+    ratio = float(str(args.isl_ratios).split(",")[0])
+    scale = (1 + ratio) * args.isl / ((1 + args.long_ratio) * args.long_isl)
+    return [max(0.1, round(rate * scale, 1)) for rate in rates]
 
 
 def mixes(args) -> list[tuple[str, RequestMix]]:
@@ -387,7 +401,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     load_before = load_average_1min()
     started = time.time()
     plans = {name: [(rate, arrival_plan(mix, rate, args.duration, args.max_num_tokens, args.seed + 1000 * m + i))
-                    for i, rate in enumerate(rates)] for m, (name, mix) in enumerate(mixes(args))}
+                    for i, rate in enumerate(mix_rates(args, name, rates))] for m, (name, mix) in enumerate(mixes(args))}
     results: dict = {name: {} for name in plans}
     for mode, order, forwards in variants:
         served = run_variant(mode, order, args, plans, forwards=forwards)
@@ -402,6 +416,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             "model": "tiny preset (DeepSeek-V3-style: hidden 256, 16 experts, top-4, fp32)",
             "threads_per_worker": args.threads_per_worker, "slo_p99_s": args.slo,
             "sustained_share": SUSTAINED_SHARE, "duration_s": args.duration, "rates": rates, "seed": args.seed,
+            "rates_by_mix": {name: [rate for rate, _ in points] for name, points in plans.items()},
             "ttft": "client side: completion request sent -> completion with the first token received",
             "load_average_1min": {"before": load_before, "after": load_after},
             "wall_s": time.time() - started,
