@@ -33,6 +33,7 @@ import numpy as np
 from dwdp.predict.packing import RequestMix, arrival_plan
 
 PERCENTILES = (50, 90, 99)
+MIN_FIT_SAMPLES = 20  # one-forward prompts a mix needs for its own line; fewer: the run's other mixes join in
 
 
 @dataclass(frozen=True)
@@ -224,6 +225,9 @@ def fitted_service(results: dict, mix: str, packed: bool = False, variants: tupl
         rows = [r for r in results[mix][variant]["rows"] if r.get("sustained", True)] or results[mix][variant]["rows"]
         # a chunked prompt's prefill_s spans several forwards: only one-forward prompts time one forward
         samples = [s for row in rows for s in row["samples"] if s["ok"] and s.get("chunks", 1) <= 1]
+        if len(samples) < MIN_FIT_SAMPLES:  # a mix of mostly chunked prompts: this variant's forwards of every mix
+            samples = [s for entry in results.values() if variant in entry for row in entry[variant]["rows"]
+                       for s in row["samples"] if s["ok"] and s.get("chunks", 1) <= 1]
         x = np.array([s["batch_tokens"] for s in samples], float)
         y = np.array([s["prefill_s"] for s in samples], float)
         b, a = np.polyfit(x, y, 1)
