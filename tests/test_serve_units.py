@@ -326,6 +326,12 @@ def test_take_pieces_continues_chunked_prompts_first_and_fills_the_budget():
     plan = take_pieces(active, pending, 16)
     assert [(s.job.request_id, n) for s, n in plan] == [("r1", 9), ("r2", 3)], plan
     assert not pending
+    long, active = jobs(40), []
+    for want in (16, 16, 8):  # a prompt in progress never takes more than a forward's budget
+        plan = take_pieces(active, long, 16)
+        assert [n for _, n in plan] == [want], plan
+        plan[0][0].done += want
+        active = [s for s in active if s.left]
 
 
 @pytest.mark.timeout(10)
