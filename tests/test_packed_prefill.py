@@ -103,7 +103,7 @@ def test_chunked_prompt_equals_one_unchunked_forward(variant, ratio):
     check_against_alone(model, batch, results)
 
 
-def test_a_mask_across_prompts_is_refused_by_the_check():
+def test_the_mask_keeps_each_prompt_to_itself_and_its_past():
     """The rule itself: no query sees a key of another prompt, nor a later key of its own."""
     packed = pack([Piece(0, (5, 6, 7), 0), Piece(1, (8, 9), 0)], [0, 0])
     ok = allowed(packed["q_segment"], packed["position_ids"][0], packed["kv_segment"], packed["kv_position"])
