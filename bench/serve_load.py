@@ -42,7 +42,8 @@ def arrivals(rate: float, num_requests: int, duration_s: float, clients: int, is
     and none after `duration_s`."""
     mean_len = (1 + isl_ratio) / 2 * isl
     per_client = max(isl, math.ceil(2 * num_requests * mean_len / clients))  # room for the busiest client
-    workload = make_workload(WorkloadConfig(clients, per_client, isl, isl_ratio, cv, max_num_tokens, seed))
+    # The server chunks prompts past max_num_tokens; the workload model asks that each fits one forward.
+    workload = make_workload(WorkloadConfig(clients, per_client, isl, isl_ratio, cv, max(max_num_tokens, isl), seed))
     share = np.array(workload.factors) / sum(workload.factors)
     rng = np.random.default_rng(seed)
     streams = [list(s.requests) for s in workload.streams]
@@ -146,7 +147,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: start one here)")
     p.add_argument("--ranks", type=int, default=2, help="workers of the server started here (default 2)")
-    p.add_argument("--max-num-tokens", type=int, default=1024, help="server's padded tokens per forward")
+    p.add_argument("--max-num-tokens", type=int, default=1024,
+                   help="server's tokens per forward (real ones when it packs; longer prompts are chunked)")
     p.add_argument("--rates", default="1,2,4", help="offered request rates per second, comma-separated")
     p.add_argument("--num-requests", type=int, default=40, help="most requests per rate (default 40)")
     p.add_argument("--duration", type=float, default=30.0, help="longest sending window per rate, s (default 30)")

@@ -95,6 +95,9 @@ def main() -> None:
                    help="also predict TTFT p50/p90/p99 of both modes under Poisson arrivals at these requests/s "
                         "(whole group), for the first setting (dwdp.predict.serve_sim)")
     p.add_argument("--ttft-duration", type=float, default=120.0, help="seconds of arrivals per TTFT rate")
+    p.add_argument("--ttft-forwards", choices=("packed", "padded"), default="packed",
+                   help="forwards of the simulated server: packed (real tokens, long prompts chunked, as `dwdp serve` "
+                        "runs them) or padded (B x Tmax)")
     p.add_argument("--ttft-from", metavar="JSON",
                    help="predict TTFT from a `dwdp bench serve` run instead: its rates, mixes, ranks and "
                         "max-num-tokens, forward times fitted to its measured forwards; prints the prediction "
@@ -160,7 +163,7 @@ def main() -> None:
         cfg = SimConfig(args.model, args.hw, g, args.dtype, isl, spread if kind == "ratio" else 1.0,
                         spread if kind == "std" else None, mnt, None, 20, args.num_local_experts, plan=args.plan,
                         slice_bytes=args.slice_mib << 20, inflight=args.inflight, seed=args.seed)
-        service = analytic_service(cfg)
+        service = analytic_service(cfg, packed=args.ttft_forwards == "packed")
         mix = RequestMix(isl, cfg.isl_ratio, cfg.isl_std)
         predicted = simulate_rates(mix, args.ttft_rates, args.ttft_duration, g, mnt, service, args.seed)
         print(f"\nPredicted TTFT (analytic, not measured): {service.source}; {mix.describe()}, max-num-tokens {mnt}, "
@@ -196,10 +199,10 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
     for mix_name, by_variant in data["results"].items():
         if "dwdp" not in by_variant or "dep" not in by_variant:
             continue
-        service = fitted_service(data["results"], mix_name)
+        service = fitted_service(data["results"], mix_name, packed=by_variant["dwdp"].get("forwards") == "packed")
         mix = mix_from_description(mix_name)
-        predicted = simulate_rates(mix, meta["rates"], meta["duration_s"], meta["ranks"], meta["max_num_tokens"],
-                                   service, seed)
+        rates = meta.get("rates_by_mix", {}).get(mix_name, meta["rates"])
+        predicted = simulate_rates(mix, rates, meta["duration_s"], meta["ranks"], meta["max_num_tokens"], service, seed)
         measured = {mode: by_variant[mode]["rows"] for mode in ("dwdp", "dep")}
         print(f"\n{mix_name}: TTFT predicted by dwdp.predict.serve_sim ({service.source}; overheads "
               f"{ {k: round(v, 4) for k, v in service.overhead_s.items()} } s) beside the measurement of {path}")

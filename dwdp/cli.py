@@ -94,7 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory for text prompts (default: --model)")
     serve.add_argument("--max-num-tokens", type=_positive_int, default=1024,
-                       help="padded tokens per forward and longest prompt; longer prompts get 400 (default 1024)")
+                       help="real tokens per packed forward (longer prompts are prefilled in chunks of this many); "
+                       "for a family that cannot pack, padded tokens per forward and the longest prompt (default 1024)")
+    serve.add_argument("--forwards", choices=("auto", "padded"), default="auto",
+                       help="auto: packed forwards (no padding, long prompts in chunks) when the model's attention "
+                       "packs, else padded; padded: left-padded batches always (the baseline)")
+    serve.add_argument("--max-prompt-tokens", type=int, default=None,
+                       help="longest prompt accepted, up to the model's max_position_embeddings (default: those, "
+                       "capped by --max-queue-tokens); longer ones get 400")
     serve.add_argument("--max-queue-tokens", type=_positive_int, default=8192,
                        help="prompt tokens queued or running per worker before 429 (default 8192)")
     serve.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20, help="largest request body (1 MiB)")
@@ -333,13 +340,13 @@ def _run(args) -> int:
             config = ServeConfig(
                 ranks=args.ranks, host=args.host, port=args.port, model=args.model, preset=args.preset, seed=args.seed,
                 tokenizer=args.tokenizer, max_num_tokens=args.max_num_tokens, max_queue_tokens=args.max_queue_tokens,
-                max_body_bytes=args.max_body_bytes, kv_dir=args.kv_dir, slice_bytes=args.slice_bytes,
+                max_prompt_tokens=args.max_prompt_tokens, max_body_bytes=args.max_body_bytes, kv_dir=args.kv_dir, slice_bytes=args.slice_bytes,
                 expert_replicas=args.expert_replicas, peer_timeout_s=args.peer_timeout,
                 stall_timeout_s=args.stall_timeout, fault_injection=args.fault_injection,
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
                 dtype=args.dtype, mode=args.mode, step_timeout_s=args.step_timeout, batch_order=args.batch_order,
                 fairness_s=args.fairness, restart=args.restart, restart_backoff_s=args.restart_backoff,
-                max_restarts_per_minute=args.max_restarts_per_minute)
+                max_restarts_per_minute=args.max_restarts_per_minute, forwards=args.forwards)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         if config.device == "cuda":

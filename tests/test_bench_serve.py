@@ -1,5 +1,6 @@
-"""`dwdp bench serve` on a tiny sweep: both modes answer every request, and every stored figure
-follows from the stored per-request samples."""
+"""`dwdp bench serve` on a tiny sweep: both modes answer every request (packed; padded refuses only
+prompts past max-num-tokens), every stored figure follows from the stored per-request samples, and
+packed forwards compute exactly the real tokens."""
 from __future__ import annotations
 
 import json
@@ -16,31 +17,39 @@ from dwdp.predict.packing import RequestMix, arrival_plan
 @pytest.mark.timeout(240)
 def test_tiny_sweep_recomputes_from_its_samples(tmp_path):
     out = tmp_path / "serve_compare.json"
-    cmd = [sys.executable, "-m", "dwdp", "bench", "serve", "--variants", "dwdp,dep", "--rates", "6", "--duration",
-           "1.5", "--isl", "64", "--max-num-tokens", "128", "--isl-cv", "0.3", "--slo", "5", "--out", str(out)]
+    cmd = [sys.executable, "-m", "dwdp", "bench", "serve", "--variants", "dwdp,dep,dwdp/padded", "--rates", "6",
+           "--duration", "1.5", "--isl", "64", "--isl-ratios", "0.5", "--max-num-tokens", "128", "--isl-cv", "0",
+           "--long-isl", "300", "--slo", "5", "--out", str(out)]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert set(data["meta"]["load_average_1min"]) == {"before", "after"}
-    assert len(data["results"]) == 2, "a uniform and a normal mix"
+    assert len(data["results"]) == 2, "a uniform and a long-prompt mix"
     for mix, by_variant in data["results"].items():
-        assert sorted(by_variant) == ["dep", "dwdp"], by_variant.keys()
+        assert sorted(by_variant) == ["dep", "dwdp", "dwdp/padded"], by_variant.keys()
         plans = {}
         for name, entry in by_variant.items():
+            assert entry["forwards"] == ("padded" if name.endswith("/padded") else "packed"), (name, entry["forwards"])
             for row in entry["rows"]:
                 samples = row["samples"]
-                assert row["failed"] == 0 and all(s["ok"] for s in samples), [s for s in samples if not s["ok"]]
+                refused = [s for s in samples if not s["ok"]]
+                if name.endswith("/padded"):  # padded forwards refuse what packed ones chunk, nothing else
+                    assert all(s["tokens"] > 128 and s["error"] == "context_length_exceeded" for s in refused), refused
+                    assert row["computed_tokens"] >= row["real_tokens"] > 0, row
+                else:
+                    assert not refused, refused
+                    assert row["computed_tokens"] == row["real_tokens"] == sum(s["tokens"] for s in samples), row
                 meta = data["meta"]
                 again = summarise(samples, row["offered_rps"], meta["ranks"], meta["slo_p99_s"], meta["duration_s"])
                 for key, value in again.items():
                     assert row[key] == value, (mix, name, row["offered_rps"], key, row[key], value)
-                ttft = [s["ttft_s"] for s in samples]
+                ttft = [s["ttft_s"] for s in samples if s["ok"]]
                 assert row["ttft_p99_s"] == float(np.percentile(ttft, 99)) and row["ttft_p50_s"] <= row["ttft_p99_s"]
                 plans.setdefault(row["offered_rps"], []).append(sorted(s["tokens"] for s in samples))
             assert entry["max_load_at_slo"] == max_load_at_slo(entry["rows"])
         for rate, lengths in plans.items():
-            assert lengths[0] == lengths[1], f"the modes were sent different prompts at {rate}/s"
+            assert len(set(map(tuple, lengths))) == 1, f"the variants were sent different prompts at {rate}/s"
     assert data["comparison"] == compare(data["results"])
 
 
@@ -82,7 +91,7 @@ def test_same_seed_same_plan_and_lengths_within_the_mix():
 
 
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("text", ["dwdp,ep", "dwdp:lifo", ""])
+@pytest.mark.parametrize("text", ["dwdp,ep", "dwdp:lifo", "", "dwdp/packed"])
 def test_bad_variants_are_named(text):
     with pytest.raises(ValueError, match="MODE"):
         parse_variants(text)

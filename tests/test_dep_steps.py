@@ -1,6 +1,7 @@
 """DEP serving ranks stepping together, driven directly (spawned ranks, their queues filled here):
 every prompt's logits and KV equal the unwrapped model's whatever the other ranks hold in the same
-step (more prompts, fewer, none); a peer that exits or stops mid-step fails the others' prompts
+step (more prompts, fewer, none), packed and chunked (prompts longer than what a forward has left);
+a peer that exits or stops mid-step fails the others' prompts
 with a named error, within a bounded time."""
 from __future__ import annotations
 
@@ -52,10 +53,11 @@ def _serve_rank(rank: int, ranks: int, held: list[list[list[int]]], max_num_toke
         model.experts_modules[1].register_forward_pre_hook(pull_the_plug)
     steps, broken, failed_at = [], None, None
 
-    def on_step(batch, logits):
+    def on_step(plan, finished):
         # numpy, not a tensor: a tensor would travel to the parent as a shared-memory handle that this
         # process must still serve when the parent unpickles it (after rank 0 may have exited).
-        steps.append(([job.request_id for job in batch], None if logits is None else logits.numpy().copy()))
+        steps.append(([(state.job.request_id, n) for state, n in plan],
+                      {state.job.request_id: row.numpy().copy() for state, row in finished or ()}))
 
     started = time.monotonic()
     try:
@@ -84,25 +86,26 @@ def reference():
 
 @pytest.mark.timeout(120)
 def test_every_prompt_matches_the_unwrapped_model_whatever_the_peers_hold(tmp_path, reference):
-    """Rank 0 holds five prompts (three forwards), rank 1 one, rank 2 none: rank 0's later forwards
-    run beside two idle steps, its first beside one forward and one idle step."""
+    """Rank 0 holds five prompts, packed 64 real tokens per forward, two of them chunked (three
+    forwards: 40 + 9 + 15 of 33 | 18 + 1 + 45 of 64 | 19), rank 1 one, rank 2 none: rank 0's later
+    forwards run beside two idle steps, its first beside one forward and one idle step."""
     held = [prompts(0, [40, 9, 33, 1, 64]), prompts(1, [17]), []]
-    out = launch_local(_serve_rank, 3, (3, held, 96, str(tmp_path), 60.0, None), timeout_s=110)
+    out = launch_local(_serve_rank, 3, (3, held, 64, str(tmp_path), 60.0, None), timeout_s=110)
     counts = [len(o["steps"]) for o in out]
     assert len(set(counts)) == 1, f"ranks ran different numbers of steps (not in lockstep): {counts}"
-    shapes = [[len(ids) for ids, _ in o["steps"]] for o in out]
-    assert shapes[0][0] > 1 and shapes[1] == [1] + [0] * (counts[1] - 1) and set(shapes[2]) == {0}, shapes
-    assert counts[0] >= 3 and all(n > 0 for n in shapes[0]), shapes
+    plans = [[[n for _, n in plan] for plan, _ in o["steps"]] for o in out]
+    assert plans[0] == [[40, 9, 15], [18, 1, 45], [19]], plans[0]
+    assert plans[1] == [[17], [], []] and plans[2] == [[], [], []], plans
     for rank, o in enumerate(out):
         assert o["broken"] is None, o["broken"]
         answers = {m.request_id: m for m in o["messages"] if isinstance(m, (PrefillResult, PrefillError))}
         assert sorted(answers) == sorted(f"r{rank}-{i}" for i in range(len(held[rank]))), sorted(answers)
-        logits = {rid: torch.from_numpy(row) for ids, rows in o["steps"] if rows is not None
-                  for rid, row in zip(ids, rows)}
+        logits = {rid: torch.from_numpy(row) for _, rows in o["steps"] for rid, row in rows.items()}
         for i, ids in enumerate(held[rank]):
             rid = f"r{rank}-{i}"
             result = answers[rid]
             assert isinstance(result, PrefillResult), result
+            assert sum(result.chunks) == len(ids) and max(result.chunks) <= 64, (rid, result.chunks)
             want_logits, want_layers = reference(ids)
             torch.testing.assert_close(logits[rid], want_logits, atol=ATOL, rtol=RTOL,
                                        msg=lambda m: f"{rid} ({len(ids)} tokens) logits: {m}")
@@ -121,6 +124,8 @@ def test_every_prompt_matches_the_unwrapped_model_whatever_the_peers_hold(tmp_pa
     ("stop", 3.0, 15.0),    # a stopped peer keeps its connections open: the step timeout ends the wait
 ])
 def test_a_peer_lost_mid_step_fails_the_others_prompts_by_name(tmp_path, fault, step_timeout_s, bound_s):
+    """Rank 0's first forward finishes r0-0 and starts r0-1 (30 + 2 of 30); the second one breaks:
+    r0-1 (half prefilled) and the queued r0-2, r0-3 are failed by name."""
     held = [prompts(2, [30, 30, 30, 30]), prompts(3, [30, 30, 30])]
     out = launch_local(_serve_rank, 2, (2, held, 32, str(tmp_path), step_timeout_s, fault), timeout_s=80,
                        may_die=(1,))

@@ -165,8 +165,9 @@ def test_serve_bad_path_is_one_line_before_any_worker(argv, says, bad_paths, tmp
 class _Pool:
     """What create_app reads from a WorkerPool; every prompt is answered by 'rank 0' with token 7."""
 
-    def __init__(self, max_position_embeddings: int):
-        self.model_info = {"vocab_size": 512, "max_position_embeddings": max_position_embeddings}
+    def __init__(self, max_position_embeddings: int, forwards: str = "packed"):
+        self.model_info = {"vocab_size": 512, "max_position_embeddings": max_position_embeddings,
+                           "forwards": forwards, "padded_reason": "" if forwards == "packed" else "linear attention"}
 
     async def submit(self, ids):
         from dwdp.serve.protocol import PrefillResult
@@ -176,22 +177,23 @@ class _Pool:
                              kv={"path": "/dev/null"})
 
 
-def _client(max_num_tokens: int, max_position_embeddings: int, **config):
+def _client(max_num_tokens: int, max_position_embeddings: int, forwards: str = "packed", **config):
     from fastapi.testclient import TestClient
 
     from dwdp.serve.api import create_app
     from dwdp.serve.config import ServeConfig
 
     serve = ServeConfig(max_num_tokens=max_num_tokens, max_queue_tokens=max(8192, max_num_tokens), **config)
-    return TestClient(create_app(_Pool(max_position_embeddings), serve))
+    return TestClient(create_app(_Pool(max_position_embeddings, forwards), serve))
 
 
-@pytest.mark.parametrize("max_num_tokens, positions, cap, reason", [
-    (1024, 512, 512, "(the model's max_position_embeddings; --max-num-tokens is 1024)"),
-    (256, 512, 256, "(--max-num-tokens; prompts are not chunked)"),
-], ids=["positions_bound", "max_num_tokens_bound"])
-def test_prompt_too_long_names_the_bound_that_applied(max_num_tokens, positions, cap, reason):
-    client = _client(max_num_tokens, positions)
+@pytest.mark.parametrize("max_num_tokens, positions, forwards, cap, reason", [
+    (1024, 512, "padded", 512, "(the model's max_position_embeddings)"),
+    (256, 512, "padded", 256, "(--max-num-tokens; this model's prompts are not chunked: linear attention)"),
+    (256, 512, "packed", 512, "(the model's max_position_embeddings)"),
+], ids=["positions_bound", "max_num_tokens_bound", "chunked"])
+def test_prompt_too_long_names_the_bound_that_applied(max_num_tokens, positions, forwards, cap, reason):
+    client = _client(max_num_tokens, positions, forwards)
     r = client.post("/v1/prefill", json={"input_ids": [5] * 600})
     assert r.status_code == 400, r.text
     error = r.json()["error"]

@@ -225,7 +225,7 @@ def test_text_prompt_uses_the_local_tokenizer(server, reference):
     assert_first_token(r.json()["first_token_id"], reference([5, 6, 7, 303, 3])[0])
 
 
-TOO_LONG = list(range(3, 3 + MAX_NUM_TOKENS + 1))
+TOO_LONG = [5] * (MAX_QUEUE_TOKENS + 1)  # past max_prompt_tokens (the queue bound here): max_num_tokens alone is chunked
 BAD_INPUTS = [
     ("empty_ids", "/v1/prefill", {"input_ids": []}, 400, "input_ids"),
     ("float_id", "/v1/prefill", {"input_ids": [5, 1.5]}, 400, "input_ids"),
@@ -246,6 +246,26 @@ BAD_INPUTS = [
     ("prompt_over_vocab", "/v1/completions", {"model": "dwdp-tiny", "prompt": [[5], [9999]]}, 400, "prompt.1"),
     ("missing_prompt", "/v1/completions", {"model": "dwdp-tiny"}, 400, "prompt"),
 ]
+
+
+@pytest.mark.timeout(60)
+def test_a_prompt_past_max_num_tokens_is_prefilled_in_chunks(server, reference):
+    """2 x max_num_tokens (the queue bound) in two chunks equals one unchunked forward; one more is 400."""
+    ids = prompt(77, 2 * MAX_NUM_TOKENS)
+    r = post(server, "/v1/prefill", {"input_ids": ids})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    logits, layers = reference(ids)
+    assert_first_token(body["first_token_id"], logits)
+    assert_kv_matches(body["kv"]["path"], layers)
+    _, meta = read_kv_artifact(body["kv"]["path"])
+    chunks = [int(c) for c in meta["chunks"].split(",")]
+    assert sum(chunks) == len(ids) and len(chunks) >= 2 and max(chunks) <= MAX_NUM_TOKENS, meta
+    assert meta["positions"] == f"0..{len(ids) - 1}" and meta["forward"] == "packed", meta
+    r = post(server, "/v1/prefill", {"input_ids": ids + [5]})
+    assert r.status_code == 400 and f"at most {MAX_QUEUE_TOKENS}" in r.json()["error"]["message"], r.text
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["forwards"] == "packed" and health["padded_reason"] == "", health
 
 
 @pytest.mark.timeout(30)
@@ -354,3 +374,28 @@ def test_fault_injection_is_off_unless_asked_for(server):
     assert r.status_code == 404 and "--fault-injection" in r.json()["error"]["message"], r.text
     health = httpx.get(f"{server.url}/health").json()
     assert all(w["routable"] and w["lost_peers"] == {} for w in health["workers"]), health
+
+
+@pytest.mark.timeout(120)
+def test_short_load_loses_nothing_and_every_answer_names_its_worker(server, reference):
+    """bench/serve_load.py's open-loop arrivals, prompts up to 1.5 x max_num_tokens (the long ones
+    chunked): one answer per request, 200s name a rank and carry the unwrapped model's first token;
+    the only refusals allowed are 429s for a full queue."""
+    import asyncio
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "serve_load.py"
+    spec = importlib.util.spec_from_file_location("serve_load", path)
+    serve_load = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_load)
+    plan = serve_load.arrivals(6.0, 24, 10.0, 4, 3 * MAX_NUM_TOKENS // 2, 0.25, 0.2, MAX_NUM_TOKENS, seed=5)
+    assert any(len(ids) > MAX_NUM_TOKENS for _, _, ids in plan), "no prompt long enough to be chunked"
+    results, _ = asyncio.run(serve_load.run_rate(server.url, plan, 100.0))
+    assert len(results) == len(plan)
+    assert all(r["status"] in (200, 429) for r in results), [r for r in results if r["status"] not in (200, 429)]
+    answered = [(ids, r) for (_, _, ids), r in zip(plan, results) if r["status"] == 200]
+    assert len(answered) >= len(plan) // 2, [r["status"] for r in results]
+    for ids, r in answered:
+        assert 0 <= r["rank"] < RANKS and r["tokens"] == len(ids), r
+        assert_first_token(r["first_token_id"], reference(ids)[0])

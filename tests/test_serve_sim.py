@@ -59,3 +59,29 @@ def test_fitted_service_recovers_the_measured_lines():
     assert service.forward_s([100, 50]) == pytest.approx(0.01 + 1e-3 * 200)
     assert service.step_s([[100], [], [300, 10]]) == pytest.approx(0.02 + 5e-4 * 600)
     assert service.overhead_s["dep"] == pytest.approx(0.1)
+
+
+def packed_flat(forward_s: float = 1.0, per_token_s: float = 0.0) -> Service:
+    return Service(lambda lengths: forward_s + per_token_s * sum(lengths),
+                   lambda per_rank: forward_s + per_token_s * max(sum(x) for x in per_rank), {}, "test", packed=True)
+
+
+@pytest.mark.timeout(10)
+def test_packed_forwards_fill_the_budget_and_count_no_padding():
+    """Five prompts of 20 at once on one rank, budget 64: packed, the first alone (it arrived to an
+    idle rank), then 20 + 20 + 20 + 4 of the fifth, whose last 16 end one forward later."""
+    plan = [(0.0, 20)] * 5
+    counts = {}
+    ends = sorted(end for _, end in simulate_dwdp_serving(plan, 1, 64, packed_flat(), counts))
+    assert ends == [1.0, 2.0, 2.0, 2.0, 3.0], ends
+    assert counts == {"computed": 100, "real": 100}, counts
+    padded = {}
+    simulate_dwdp_serving([(0.0, 10), (0.0, 10), (0.0, 30)], 1, 64, flat(), padded)
+    assert padded == {"computed": 10 + 2 * 30, "real": 50}, padded  # the first alone, then 10 padded to 30
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("run", [simulate_dwdp_serving, simulate_dep_serving])
+def test_a_long_prompt_takes_one_forward_per_chunk(run):
+    """100 tokens, budget 40: three forwards of 1 s (40, 40, 20); its TTFT is the third's end."""
+    assert run([(0.0, 100)], 2, 40, packed_flat()) == [(0.0, 3.0)]

@@ -301,3 +301,114 @@ def test_a_peer_that_is_exiting_counts_as_exited():
     assert state_from_stat(stat("D", PF_EXITING)) == "exited"
     assert state_from_stat(stat("Z", 0)) == "exited"
     assert state_from_stat(stat("T", 0)) == "stopped"
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("kwargs,named", [
+    ({"max_prompt_tokens": 0}, "max_prompt_tokens=0 must be an int >= 1"),
+    ({"max_prompt_tokens": -3}, "max_prompt_tokens=-3 must be an int >= 1"),
+    ({"max_prompt_tokens": 9000}, "max_prompt_tokens=9000 must be <= max_queue_tokens=8192"),
+])
+def test_bad_prompt_bounds_are_refused_with_value_and_limit(kwargs, named):
+    with pytest.raises(ValueError, match=named):
+        ServeConfig(**kwargs)
+
+
+@pytest.mark.timeout(10)
+def test_prompt_bound_above_the_models_positions_is_refused_and_limits_follow_the_forwards():
+    from dwdp.serve.config import prompt_limit
+
+    packed = {"max_position_embeddings": 1024, "forwards": "packed", "padded_reason": ""}
+    with pytest.raises(ValueError, match="max_prompt_tokens=2048 is above the model's max_position_embeddings=1024"):
+        prompt_limit(ServeConfig(max_prompt_tokens=2048), packed)
+    assert prompt_limit(ServeConfig(max_num_tokens=64), packed) == (1024, "the model's max_position_embeddings")
+    assert prompt_limit(ServeConfig(max_num_tokens=64, max_prompt_tokens=300), packed) == (300, "--max-prompt-tokens")
+    padded = {"max_position_embeddings": 1024, "forwards": "padded", "padded_reason": "linear attention"}
+    limit, why = prompt_limit(ServeConfig(max_num_tokens=64), padded)
+    assert limit == 64 and "not chunked" in why and "linear attention" in why, (limit, why)
+
+
+@pytest.mark.timeout(10)
+def test_take_pieces_continues_chunked_prompts_first_and_fills_the_budget():
+    from dwdp.serve.scheduling import take_pieces
+
+    pending, active = jobs(5, 20, 3), []
+    plan = take_pieces(active, pending, 16)
+    assert [(s.job.request_id, n) for s, n in plan] == [("r0", 5), ("r1", 11)], plan
+    for state, n in plan:
+        state.done += n
+    active = [s for s in active if s.left]
+    plan = take_pieces(active, pending, 16)
+    assert [(s.job.request_id, n) for s, n in plan] == [("r1", 9), ("r2", 3)], plan
+    assert not pending
+    long, active = jobs(40), []
+    for want in (16, 16, 8):  # a prompt in progress never takes more than a forward's budget
+        plan = take_pieces(active, long, 16)
+        assert [n for _, n in plan] == [want], plan
+        plan[0][0].done += want
+        active = [s for s in active if s.left]
+
+
+@pytest.mark.timeout(10)
+def test_router_counts_outstanding_tokens_down_chunk_by_chunk():
+    import asyncio
+
+    from dwdp.serve.protocol import BatchDone, BatchStarted
+
+    pool = _pool(ranks=1)
+
+    async def admit():
+        return pool.submit(list(range(3, 3 + 40)))
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(admit())
+    finally:
+        loop.close()
+    (rid,) = pool._ranks[0].queued
+    assert pool._ranks[0].outstanding_tokens == 40
+    pool._handle(BatchStarted(0, (rid,)))
+    pool._handle(BatchDone(0, 1, 16, 0.1, 0.0, 16, ((rid, 16),)))
+    assert pool._ranks[0].outstanding_tokens == 24, pool._ranks[0].outstanding_tokens
+    pool._handle(BatchDone(0, 1, 16, 0.1, 0.0, 16, ((rid, 16),)))
+    assert pool._ranks[0].outstanding_tokens == 8
+    snap = pool.snapshot()["workers"][0]
+    assert snap["real_tokens"] == 32 and snap["computed_tokens"] == 32, snap
+    with pool._lock:
+        pool._finish_locked(rid)
+    assert pool._ranks[0].outstanding_tokens == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_packed_forward_failing_for_lost_experts_answers_retryable_and_forgets_its_prompts():
+    import queue
+    from types import SimpleNamespace
+
+    from dwdp.models.tiny import tiny_config
+    from dwdp.runtime.failover import ExpertsUnavailable, FailoverStatus
+    from dwdp.serve.protocol import PrefillError, WorkerHealth
+    from dwdp.serve.worker import step_packed
+
+    status = FailoverStatus(0, {2: "rank 2 exited"}, (), 1, 0, (4,), None)
+
+    class Degraded:
+        stats = SimpleNamespace(wait_s=0.0)
+        config = tiny_config("qwen3_moe")
+        compiles_after_warmup = 0
+        embeddings = torch.nn.Embedding(4, 2)
+
+        def get_input_embeddings(self):
+            return self.embeddings
+
+        def __call__(self, **inputs):
+            raise ExpertsUnavailable("lost experts [4]", (4,), dict(status.lost))
+
+        def check_peers(self):
+            return status
+
+    results, active, pending = queue.Queue(), [], jobs(3, 30)
+    step_packed(Degraded(), active, pending, 0, ServeConfig(max_num_tokens=16), "unused", results)
+    messages = [results.get_nowait() for _ in range(results.qsize())]
+    errors = [m for m in messages if isinstance(m, PrefillError)]
+    assert [e.request_id for e in errors] == ["r0", "r1"] and all(e.retryable for e in errors), errors
+    assert any(isinstance(m, WorkerHealth) for m in messages) and active == [] and not pending, (messages, active)

@@ -1,10 +1,15 @@
 """`dwdp bench serve`: DWDP serving against DEP serving under the same open-loop load.
 
-Each variant (a mode, optionally with a batch order: `dwdp`, `dep`, `dwdp:shortest`, ...) is served by
-its own `dwdp serve` on the same ranks, model and max-num-tokens, one after the other. For each
-prompt mix (lengths uniform in [ratio x ISL, ISL]; and normal around the same mean, clipped to
-[1, max-num-tokens]) and each offered rate, the same seeded plan of Poisson arrivals is sent to
-every variant, each request through the official `openai` client (completions, max_tokens=1).
+Each variant (a mode, optionally with a batch order and `/padded`: `dwdp`, `dep`, `dwdp:shortest`,
+`dwdp/padded`, ...) is served by its own `dwdp serve` on the same ranks, model and max-num-tokens,
+one after the other: packed forwards (real tokens, long prompts in chunks) unless `/padded` (the
+server's --forwards padded: left-padded batches, prompts past max-num-tokens refused). For each
+prompt mix (lengths uniform in [ratio x ISL, ISL] for every --isl-ratios; normal around the first
+one's mean, clipped to [1, max-num-tokens]; a long-prompt mix uniform in [--long-ratio x --long-isl,
+--long-isl], past max-num-tokens for most) and each offered rate, the same seeded plan of Poisson
+arrivals is sent to every variant, each request through the official `openai` client (completions,
+max_tokens=1). The workers' computed and real prompt tokens (/health) before and after each point
+give its padding waste (computed / real tokens).
 
 Per variant, mix and rate: offered and achieved requests/s, prompt tokens/s per rank, TTFT
 p50/p90/p99 measured by the client (request sent -> completion with the first token received), the
@@ -41,13 +46,20 @@ PERCENTILES = (50, 90, 99)
 def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DIR) -> argparse.ArgumentParser:
     """The options of `dwdp bench serve` and `bench/serve_compare.py` (which writes the stored run:
     results_dir bench/results)."""
-    p.add_argument("--variants", default="dwdp,dep,dwdp:shortest,dep:shortest",
-                   help="comma-separated MODE[:ORDER] served one after the other, e.g. dwdp,dep,dwdp:shortest "
-                        "(ORDER: the server's --batch-order; default fifo)")
+    p.add_argument("--variants", default="dwdp,dep,dwdp/padded,dep/padded",
+                   help="comma-separated MODE[:ORDER][/padded] served one after the other, e.g. dwdp,dep,dwdp/padded "
+                        "(ORDER: the server's --batch-order, default fifo; /padded: --forwards padded)")
     p.add_argument("--ranks", type=int, default=2, help="worker ranks of every server (default 2)")
-    p.add_argument("--max-num-tokens", type=int, default=1024, help="padded tokens per forward (default 1024)")
-    p.add_argument("--isl", type=int, default=512, help="longest prompt of the uniform mix (default 512)")
-    p.add_argument("--isl-ratio", type=float, default=0.5, help="shortest / longest prompt, uniform mix (default 0.5)")
+    p.add_argument("--max-num-tokens", type=int, default=1024,
+                   help="tokens per forward: real (packed) or padded (/padded variants) (default 1024)")
+    p.add_argument("--isl", type=int, default=512, help="longest prompt of the uniform mixes (default 512)")
+    p.add_argument("--isl-ratios", default="0.5,0.8",
+                   help="shortest / longest prompt, one uniform mix each, comma-separated (default 0.5,0.8)")
+    p.add_argument("--long-isl", type=int, default=0,
+                   help="longest prompt of the long-prompt mix, above --max-num-tokens for chunks (0: no such mix)")
+    p.add_argument("--long-ratio", type=float, default=0.25, help="shortest / longest prompt of the long mix")
+    p.add_argument("--long-rates", help="offered requests/s of the long mix (default: --rates scaled by the mixes' "
+                   "mean prompt lengths, so each mix is offered the same tokens/s)")
     p.add_argument("--isl-cv", type=float, default=0.3,
                    help="normal mix: standard deviation / mean (its mean is the uniform mix's); 0 skips the mix")
     p.add_argument("--rates", default="2,4,6,8,10,12,14,16,18,20",
@@ -65,30 +77,50 @@ def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DI
     return p
 
 
-def parse_variants(text: str) -> list[tuple[str, str]]:
-    """'dwdp,dep:shortest' -> [('dwdp', 'fifo'), ('dep', 'shortest')]."""
+def parse_variants(text: str) -> list[tuple[str, str, str]]:
+    """'dwdp,dep:shortest/padded' -> [('dwdp', 'fifo', 'auto'), ('dep', 'shortest', 'padded')]."""
     out = []
     for item in text.split(","):
-        mode, _, order = item.strip().partition(":")
+        head, slash, forwards = item.strip().partition("/")
+        mode, _, order = head.partition(":")
         order = order or "fifo"
-        if mode not in ("dwdp", "dep") or order not in ("fifo", "shortest"):
-            raise ValueError(f"variant {item!r} must be MODE[:ORDER] with MODE dwdp|dep and ORDER fifo|shortest")
-        out.append((mode, order))
+        if mode not in ("dwdp", "dep") or order not in ("fifo", "shortest") or (slash and forwards != "padded"):
+            raise ValueError(f"variant {item!r} must be MODE[:ORDER][/padded] with MODE dwdp|dep and ORDER "
+                             "fifo|shortest")
+        out.append((mode, order, "padded" if slash else "auto"))
     return out
 
 
-def variant_name(mode: str, order: str) -> str:
-    return mode if order == "fifo" else f"{mode}:{order}"
+def variant_name(mode: str, order: str, forwards: str = "auto") -> str:
+    return (mode if order == "fifo" else f"{mode}:{order}") + ("/padded" if forwards == "padded" else "")
+
+
+def mix_rates(args, name: str, rates: list[float]) -> list[float]:
+    """The offered rates of mix `name`: --rates, or for the long mix --long-rates (default: --rates
+    times the first uniform mix's mean length over the long mix's, rounded to 0.1 request/s)."""
+    if not name.startswith("long:"):
+        return rates
+    if args.long_rates:
+        return [float(x) for x in args.long_rates.split(",")]
+    ratio = float(str(args.isl_ratios).split(",")[0])
+    scale = (1 + ratio) * args.isl / ((1 + args.long_ratio) * args.long_isl)
+    return [max(0.1, round(rate * scale, 1)) for rate in rates]
 
 
 def mixes(args) -> list[tuple[str, RequestMix]]:
     """(name, mix) of every prompt mix the sweep runs."""
-    uniform = RequestMix(args.isl, args.isl_ratio)
-    out = [(uniform.describe(), uniform)]
+    ratios = [float(x) for x in str(args.isl_ratios).split(",")]
+    out = []
+    for ratio in ratios:
+        uniform = RequestMix(args.isl, ratio)
+        out.append((uniform.describe(), uniform))
     if args.isl_cv > 0:
-        mean = (1 + args.isl_ratio) / 2 * args.isl
+        mean = (1 + ratios[0]) / 2 * args.isl
         normal = RequestMix(round(mean), isl_std=args.isl_cv * mean)
         out.append((normal.describe(), normal))
+    if args.long_isl > 0:
+        long = RequestMix(args.long_isl, args.long_ratio)
+        out.append((f"long: {long.describe()}", long))
     return out
 
 
@@ -114,7 +146,8 @@ async def _one(client, model_name: str, ids: list[int], start: float) -> dict:
     return {"sent_s": sent - start, "ttft_s": ttft, "ok": True, "tokens": completion.usage.prompt_tokens,
             "rank": extra["rank"], "queue_s": timing["queue_s"], "prefill_s": timing["prefill_s"],
             "kv_write_s": timing["kv_write_s"], "wait_s": timing["prefetch_wait_s"],
-            "batch_size": timing["batch_size"], "batch_tokens": timing["batch_tokens"]}
+            "batch_size": timing["batch_size"], "batch_tokens": timing["batch_tokens"],
+            "chunks": timing.get("chunks", 1)}
 
 
 async def send_plan(url: str, model_name: str, plan: list, timeout_s: float) -> tuple[list[dict], float]:
@@ -165,6 +198,13 @@ def summarise(samples: list[dict], offered_rps: float, ranks: int, slo_s: float,
     row["sustained"] = row["failed"] == 0 and row["achieved_rps"] >= SUSTAINED_SHARE * row["plan_rps"]
     row["within_slo"] = row["sustained"] and row["ttft_p99_s"] <= slo_s
     return row
+
+
+def padding_waste(rows: list[dict]) -> float | None:
+    """Tokens the forwards computed over the real prompt tokens, over `rows` (None: nothing ran)."""
+    computed = sum(r.get("computed_tokens", 0) for r in rows)
+    real = sum(r.get("real_tokens", 0) for r in rows)
+    return computed / real if real else None
 
 
 def max_load_at_slo(rows: list[dict]) -> dict | None:
@@ -225,9 +265,30 @@ def render_table(header: tuple[str, ...], lines: list[tuple[str, ...]]) -> str:
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*x) for x in lines])
 
 
+def summary_table(results: dict, slo_s: float) -> str:
+    """Per mix and variant: padding waste (computed / real tokens) and max load at the p99 bound."""
+    header = ("mix", "variant", "padding waste", f"max load at p99<={slo_s:g}s (tok/s/rank)", "at req/s", "p99 ms",
+              "vs padded", "vs dep")
+    lines = []
+    for mix, by_variant in results.items():
+        loads = {name: (entry["max_load_at_slo"] or {}).get("tokens_per_s_per_rank") for name, entry in by_variant.items()}
+        for name, entry in by_variant.items():
+            waste = padding_waste(entry["rows"])
+            best = entry["max_load_at_slo"]
+            base = name.split("/")[0]
+            padded = loads.get(f"{base}/padded") if not name.endswith("/padded") else None
+            dep = loads.get(name.replace("dwdp", "dep", 1)) if name.startswith("dwdp") else None
+            ratio = lambda other: f"{loads[name] / other:.2f}x" if loads[name] and other else "-"  # noqa: E731
+            lines.append((mix, name, "-" if waste is None else f"{waste:.3f}",
+                           "none" if best is None else f"{best['tokens_per_s_per_rank']:.0f}",
+                           "-" if best is None else f"{best['achieved_rps']:.2f}",
+                           "-" if best is None else f"{1e3 * best['ttft_p99_s']:.0f}", ratio(padded), ratio(dep)))
+    return render_table(header, lines)
+
+
 def format_table(results: dict) -> str:
     header = ("mix", "variant", "offered/s", "sent", "failed", "achieved/s", "tok/s/rank", "TTFT p50", "p90", "p99",
-              "queue", "forward", "other", "wait in fwd", "batch", "sustained")
+              "queue", "forward", "other", "wait in fwd", "batch", "waste", "sustained")
     lines = []
     for mix, by_variant in results.items():
         for name, entry in by_variant.items():
@@ -237,6 +298,7 @@ def format_table(results: dict) -> str:
                               f"{r['achieved_rps']:.2f}", f"{r['tokens_per_s_per_rank']:.0f}", ms("ttft_p50_s"),
                               ms("ttft_p90_s"), ms("ttft_p99_s"), ms("queue_mean_s"), ms("forward_mean_s"),
                               ms("other_mean_s"), ms("wait_in_forward_mean_s"), f"{r['batch_mean']:.1f}",
+                              "-" if padding_waste([r]) is None else f"{padding_waste([r]):.2f}",
                               "yes" if r["sustained"] else "no"))
     return render_table(header, lines) + "\n(times in ms; queue / forward / other are means over answered requests)"
 
@@ -274,31 +336,44 @@ def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=10).json()
 
 
-def run_variant(mode: str, order: str, args, plans: dict, progress=print) -> dict:
+def _tokens(url: str) -> tuple[int, int]:
+    """(tokens computed, real prompt tokens) of every worker's forwards so far."""
+    workers = _health(url)["workers"]
+    return sum(w["computed_tokens"] for w in workers), sum(w["real_tokens"] for w in workers)
+
+
+def run_variant(mode: str, order: str, args, plans: dict, progress=print, forwards: str = "auto") -> dict:
     """Serve `plans` ({mix: [(rate, plan)]}) with one server of this variant; {mix: rows}."""
     from dwdp.serve.launch import ServerProcess  # needs the serve extra (httpx)
 
     server_args = ["--mode", mode, "--batch-order", order, "--fairness", str(args.fairness), "--ranks",
                    str(args.ranks), "--preset", "tiny", "--max-num-tokens", str(args.max_num_tokens),
-                   "--max-queue-tokens", str(1 << 30), "--threads-per-worker", str(args.threads_per_worker)]
-    name = variant_name(mode, order)
+                   "--max-queue-tokens", str(1 << 30), "--threads-per-worker", str(args.threads_per_worker),
+                   "--forwards", forwards]
+    name = variant_name(mode, order, forwards)
     out = {}
     with ServerProcess(server_args, free_port(), startup_timeout_s=600) as server:
         model_name = "dwdp-tiny"
-        warm = arrival_plan(RequestMix(args.isl, args.isl_ratio), 50.0, 0.2, args.max_num_tokens, args.seed + 999)
+        warm = arrival_plan(RequestMix(args.isl, 0.5), 50.0, 0.2, args.max_num_tokens, args.seed + 999)
         asyncio.run(send_plan(server.url, model_name, warm, args.timeout))  # first forwards touch every buffer
         for mix, points in plans.items():
             rows = []
             for rate, plan in points:
+                computed, real = _tokens(server.url)
                 samples, _ = asyncio.run(send_plan(server.url, model_name, plan, args.timeout))
                 row = summarise(samples, rate, args.ranks, args.slo, args.duration)
+                after = _tokens(server.url)
+                row["computed_tokens"], row["real_tokens"] = after[0] - computed, after[1] - real
                 row["samples"] = samples
                 rows.append(row)
                 progress(f"  {name:>14} {mix:>28} {rate:>5g}/s: {row['ok']}/{row['sent']} ok, p50 "
                          f"{1e3 * row['ttft_p50_s']:.0f} ms, p99 {1e3 * row['ttft_p99_s']:.0f} ms, "
                          f"{row['tokens_per_s_per_rank']:.0f} tok/s/rank")
             out[mix] = {"rows": rows, "max_load_at_slo": max_load_at_slo(rows)}
-        out["_health"] = _health(server.url)["mode"]
+        health = _health(server.url)
+        out["_health"] = health["mode"]
+        for mix in plans:
+            out[mix]["forwards"] = health.get("forwards")
     return out
 
 
@@ -326,18 +401,16 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     rates = [float(x) for x in args.rates.split(",")]
     if min(rates) <= 0 or args.duration <= 0 or args.slo <= 0:
         raise SystemExit(f"--rates={args.rates}, --duration={args.duration} and --slo={args.slo} must be > 0")
-    if args.isl > args.max_num_tokens:
-        raise SystemExit(f"--isl={args.isl} must be <= --max-num-tokens={args.max_num_tokens} (no chunked prefill)")
     load_before = load_average_1min()
     started = time.time()
     plans = {name: [(rate, arrival_plan(mix, rate, args.duration, args.max_num_tokens, args.seed + 1000 * m + i))
-                    for i, rate in enumerate(rates)] for m, (name, mix) in enumerate(mixes(args))}
+                    for i, rate in enumerate(mix_rates(args, name, rates))] for m, (name, mix) in enumerate(mixes(args))}
     results: dict = {name: {} for name in plans}
-    for mode, order in variants:
-        served = run_variant(mode, order, args, plans)
+    for mode, order, forwards in variants:
+        served = run_variant(mode, order, args, plans, forwards=forwards)
         assert served.pop("_health") == mode, f"the server did not run in {mode} mode"
         for mix, entry in served.items():
-            results[mix][variant_name(mode, order)] = entry
+            results[mix][variant_name(mode, order, forwards)] = entry
     load_after = load_average_1min()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -346,6 +419,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
             "model": "tiny preset (DeepSeek-V3-style: hidden 256, 16 experts, top-4, fp32)",
             "threads_per_worker": args.threads_per_worker, "slo_p99_s": args.slo,
             "sustained_share": SUSTAINED_SHARE, "duration_s": args.duration, "rates": rates, "seed": args.seed,
+            "rates_by_mix": {name: [rate for rate, _ in points] for name, points in plans.items()},
             "ttft": "client side: completion request sent -> completion with the first token received",
             "load_average_1min": {"before": load_before, "after": load_after},
             "wall_s": time.time() - started,
@@ -372,3 +446,5 @@ def report(data: dict) -> None:
             worse = ", ".join(f"{w['offered_rps']:g}/s p{w['percentile']}" for w in c["ttft_worse_at"]) or "none"
             print(f"{mix}: {pair}: max load at p99 <= {slo:g} s {ratio}; TTFT worse at rates both sustain: {worse}")
     print(format_table(data["results"]))
+    print()
+    print(summary_table(data["results"], slo))

@@ -4,12 +4,18 @@ Legend: N = ranks, B = prompts in a forward, Tmax = its longest prompt.
 
 The same arrival model as `dwdp bench serve` (dwdp.predict.packing.arrival_plan: Poisson times, lengths
 from a RequestMix) and the same server rules as `dwdp serve`: the router gives each request to the
-rank with the fewest outstanding prompt tokens (ties: least recently assigned); a rank takes its
-queue in arrival order into forwards of B x Tmax <= max_num_tokens padded tokens, without waiting.
+rank with the fewest outstanding prompt tokens (ties: least recently assigned; a prefilled chunk
+leaves them at once); a rank takes its queue in arrival order, without waiting, into
+- packed forwards (`Service.packed`): at most max_num_tokens real tokens, prompts in progress
+  first, a prompt that does not fit whole chunked (dwdp.serve.scheduling.take_pieces); a request is
+  done when the forward of its last chunk ends;
+- padded forwards: B x Tmax <= max_num_tokens padded tokens, whole prompts only.
 - DWDP: every rank runs its next forward as soon as it is free, alone: `forward_s(lengths)`.
 - DEP: the ranks step together: a step starts when the previous one ends and any rank holds a
   prompt; every rank runs its forward (or an idle step) and the step lasts `step_s(per-rank lengths)`.
-A request's TTFT is its forward's end minus its arrival, plus `overhead_s` (router, HTTP, KV write).
+A request's TTFT is its (last) forward's end minus its arrival, plus `overhead_s` (router, HTTP, KV
+write). `counts`, when given, sums the tokens the forwards computed ("computed", padding included)
+and their real prompt tokens ("real").
 Service times are pluggable: `analytic_service` (the calibrated cost model, GPUs) or
 `fitted_service` (lines fitted to a `dwdp bench serve` run's measured forwards).
 """
@@ -27,21 +33,32 @@ import numpy as np
 from dwdp.predict.packing import RequestMix, arrival_plan
 
 PERCENTILES = (50, 90, 99)
+MIN_FIT_SAMPLES = 20  # one-forward prompts a mix needs for its own line; fewer: the run's other mixes join in
 
 
 @dataclass(frozen=True)
 class Service:
     """forward_s([B] lengths) -> seconds of one DWDP forward; step_s(N lists of lengths, empty =
-    idle) -> seconds of one DEP step; overhead_s[mode]: added to every request's TTFT."""
+    idle) -> seconds of one DEP step; overhead_s[mode]: added to every request's TTFT. packed: the
+    server packs (lengths are the real tokens of each prompt or chunk; no padding is computed);
+    otherwise a forward computes B x Tmax."""
 
     forward_s: Callable[[list[int]], float]
     step_s: Callable[[list[list[int]]], float]
     overhead_s: dict
     source: str
+    packed: bool = False
 
 
-def take_lengths(queue: deque, max_num_tokens: int) -> list[tuple[float, int]]:
-    """dwdp.serve.scheduling.take_batch on (arrival, length) pairs."""
+def computed_tokens(lengths: list[int], packed: bool) -> int:
+    """Tokens a forward of prompts (or chunks) of `lengths` computes: their sum packed, B x Tmax padded."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def take_lengths(queue: deque, max_num_tokens: int) -> list:
+    """dwdp.serve.scheduling.take_batch on (arrival, length, ...) prompts."""
     batch, longest = [], 0
     while queue:
         n = queue[0][1]
@@ -52,50 +69,100 @@ def take_lengths(queue: deque, max_num_tokens: int) -> list[tuple[float, int]]:
     return batch
 
 
+def take_chunks(active: list, queue: deque, max_num_tokens: int) -> list[tuple[list, int]]:
+    """dwdp.serve.scheduling.take_pieces (fifo) on [arrival, length, tokens left] prompts: [(prompt,
+    its tokens this forward)], prompts in progress (`active`) first; started ones join `active`."""
+    pieces, left = [], max_num_tokens
+    for prompt in active:
+        if left == 0:
+            break
+        pieces.append((prompt, min(prompt[2], left)))
+        left -= pieces[-1][1]
+    while left and queue:
+        prompt = queue.popleft()
+        active.append(prompt)
+        pieces.append((prompt, min(prompt[2], left)))
+        left -= pieces[-1][1]
+    return pieces
+
+
 def _route(outstanding: list[int], last: list[int]) -> int:
     return min(range(len(outstanding)), key=lambda r: (outstanding[r], last[r]))
 
 
-def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service):
+class _Rank:
+    """One simulated worker: its queue of [arrival, length, tokens left] prompts, the prompts it has
+    chunks of, and its outstanding prompt tokens."""
+
+    def __init__(self):
+        self.queue, self.active, self.outstanding, self.last = deque(), [], 0, -1
+
+    def take(self, max_num_tokens: int, packed: bool) -> list[tuple[list, int]]:
+        if packed:
+            return take_chunks(self.active, self.queue, max_num_tokens)
+        return [(prompt, prompt[2]) for prompt in take_lengths(self.queue, max_num_tokens)]
+
+    def finish(self, pieces, now: float, done: list, counts: dict | None, packed: bool) -> None:
+        """The forward of `pieces` ended at `now`: chunks leave the outstanding tokens, finished
+        prompts go to `done` as (arrival, now)."""
+        for prompt, n in pieces:
+            prompt[2] -= n
+            self.outstanding -= n
+            if prompt[2] == 0:
+                done.append((prompt[0], now))
+        self.active = [p for p in self.active if p[2] > 0]
+        if counts is not None:
+            counts["computed"] = counts.get("computed", 0) + computed_tokens([n for _, n in pieces], packed)
+            counts["real"] = counts.get("real", 0) + sum(n for _, n in pieces)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue or self.active)
+
+
+def _assign(ranks: list[_Rank], index: int, arrival: float, n: int) -> int:
+    r = _route([w.outstanding for w in ranks], [w.last for w in ranks])
+    ranks[r].outstanding += n
+    ranks[r].last = index
+    ranks[r].queue.append([arrival, n, n])
+    return r
+
+
+def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service,
+                          counts: dict | None = None):
     """[(arrival, forward end)] per request of `plan` ((arrival s, length), in time order)."""
-    queues = [deque() for _ in range(ranks)]
-    outstanding, last, free_at = [0] * ranks, [-1] * ranks, [0.0] * ranks
+    workers = [_Rank() for _ in range(ranks)]
     done: list[tuple[float, float]] = []
-    events: list = []  # (time, kind 0 = forward end / 1 = arrival, rank or index, batch)
+    events: list = []  # (time, kind 0 = forward end / 1 = arrival, rank or index, pieces)
     for i, (t, n) in enumerate(plan):
         heapq.heappush(events, (t, 1, i, None))
     busy = [False] * ranks
 
     def start(rank: int, now: float) -> None:
-        batch = take_lengths(queues[rank], max_num_tokens)
-        end = now + service.forward_s([n for _, n in batch])
+        pieces = workers[rank].take(max_num_tokens, service.packed)
+        end = now + service.forward_s([n for _, n in pieces])
         busy[rank] = True
-        heapq.heappush(events, (end, 0, rank, batch))
+        heapq.heappush(events, (end, 0, rank, pieces))
 
     while events:
-        now, kind, who, batch = heapq.heappop(events)
+        now, kind, who, pieces = heapq.heappop(events)
         if kind == 1:
             arrival, n = plan[who]
-            rank = _route(outstanding, last)
-            outstanding[rank] += n
-            last[rank] = who
-            queues[rank].append((arrival, n))
+            rank = _assign(workers, who, arrival, n)
             if not busy[rank]:
                 start(rank, now)
         else:
-            for arrival, n in batch:
-                done.append((arrival, now))
-                outstanding[who] -= n
+            workers[who].finish(pieces, now, done, counts, service.packed)
             busy[who] = False
-            if queues[who]:
+            if workers[who].has_work:
                 start(who, now)
     return done
 
 
-def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service):
+def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service,
+                         counts: dict | None = None):
     """[(arrival, step end)] per request of `plan`, the ranks stepping together."""
-    queues = [deque() for _ in range(ranks)]
-    outstanding, last = [0] * ranks, [-1] * ranks
+    workers = [_Rank() for _ in range(ranks)]
     done: list[tuple[float, float]] = []
     index, now, step_end = 0, 0.0, None
     running: list = []
@@ -103,22 +170,17 @@ def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_toke
         next_arrival = plan[index][0] if index < len(plan) else math.inf
         if step_end is not None and step_end <= next_arrival:
             now = step_end
-            for rank, batch in enumerate(running):
-                for arrival, n in batch:
-                    done.append((arrival, now))
-                    outstanding[rank] -= n
+            for worker, pieces in zip(workers, running):
+                worker.finish(pieces, now, done, counts, service.packed)
             step_end, running = None, []
         else:
             now = next_arrival
             arrival, n = plan[index]
-            rank = _route(outstanding, last)
-            outstanding[rank] += n
-            last[rank] = index
-            queues[rank].append((arrival, n))
+            _assign(workers, index, arrival, n)
             index += 1
-        if step_end is None and any(queues):
-            running = [take_lengths(q, max_num_tokens) for q in queues]
-            step_end = now + service.step_s([[n for _, n in b] for b in running])
+        if step_end is None and any(w.has_work for w in workers):
+            running = [w.take(max_num_tokens, service.packed) for w in workers]
+            step_end = now + service.step_s([[n for _, n in pieces] for pieces in running])
     return done
 
 
@@ -142,45 +204,53 @@ def simulate_rates(mix: RequestMix, rates: list[float], duration_s: float, ranks
     for i, rate in enumerate(rates):
         plan = [(t, len(ids)) for t, ids in arrival_plan(mix, rate, duration_s, max_num_tokens, seed + i)]
         for mode, run in (("dwdp", simulate_dwdp_serving), ("dep", simulate_dep_serving)):
-            done = run(plan, ranks, max_num_tokens, service)
-            out[mode].append(summarise_ttft(plan, done, service.overhead_s.get(mode, 0.0), rate, ranks))
+            counts: dict = {}
+            done = run(plan, ranks, max_num_tokens, service, counts)
+            row = summarise_ttft(plan, done, service.overhead_s.get(mode, 0.0), rate, ranks)
+            row["padding_waste"] = counts["computed"] / counts["real"] if counts.get("real") else float("nan")
+            out[mode].append(row)
     return out
 
 
-def fitted_service(results: dict, mix: str) -> Service:
-    """Lines `seconds = a + b x padded tokens` fitted to the forwards a `dwdp bench serve` run measured
+def fitted_service(results: dict, mix: str, packed: bool = False, variants: tuple[str, str] = ("dwdp", "dep")) -> Service:
+    """Lines `seconds = a + b x computed tokens` fitted to the forwards a `dwdp bench serve` run measured
+    (batch_tokens: padded tokens of a padded forward, real ones of a packed one) of `variants` (DWDP,
+    DEP); `packed`: the simulated server packs (and chunks)
     (fifo variants, the rates they sustained, or every rate when none was); DEP's step is its line at
     the busiest rank's padded tokens. Overheads are the measured mean TTFT minus queue and forward
     time. Forwards of overloaded rates are left out: there the client and the router, busy with
     hundreds of open requests, take CPU from the workers of a small machine and stretch them."""
     fits, overhead = {}, {}
-    for mode in ("dwdp", "dep"):
-        rows = [r for r in results[mix][mode]["rows"] if r.get("sustained", True)] or results[mix][mode]["rows"]
-        samples = [s for row in rows for s in row["samples"] if s["ok"]]
+    for mode, variant in zip(("dwdp", "dep"), variants):
+        rows = [r for r in results[mix][variant]["rows"] if r.get("sustained", True)] or results[mix][variant]["rows"]
+        # a chunked prompt's prefill_s spans several forwards: only one-forward prompts time one forward
+        samples = [s for row in rows for s in row["samples"] if s["ok"] and s.get("chunks", 1) <= 1]
+        if len(samples) < MIN_FIT_SAMPLES:  # a mix of mostly chunked prompts: this variant's forwards of every mix
+            samples = [s for entry in results.values() if variant in entry for row in entry[variant]["rows"]
+                       for s in row["samples"] if s["ok"] and s.get("chunks", 1) <= 1]
         x = np.array([s["batch_tokens"] for s in samples], float)
         y = np.array([s["prefill_s"] for s in samples], float)
         b, a = np.polyfit(x, y, 1)
         fits[mode] = (max(float(a), 0.0), max(float(b), 0.0))
         overhead[mode] = float(np.mean([s["ttft_s"] - s["queue_s"] - s["prefill_s"] for s in samples]))
 
-    def padded(lengths: list[int]) -> int:
-        return len(lengths) * max(lengths) if lengths else 0
-
     def forward_s(lengths):
         a, b = fits["dwdp"]
-        return a + b * padded(lengths)
+        return a + b * computed_tokens(lengths, packed)
 
     def step_s(per_rank):
         a, b = fits["dep"]
-        return a + b * max(padded(lengths) for lengths in per_rank)
+        return a + b * max(computed_tokens(lengths, packed) for lengths in per_rank)
 
-    return Service(forward_s, step_s, overhead, f"fitted to measured forwards: dwdp {fits['dwdp']}, "
-                   f"dep {fits['dep']} (seconds, seconds per padded token)")
+    return Service(forward_s, step_s, overhead, f"fitted to measured forwards of {variants}: dwdp {fits['dwdp']}, "
+                   f"dep {fits['dep']} (seconds, seconds per computed token)", packed)
 
 
-def analytic_service(sim_config) -> Service:
+def analytic_service(sim_config, packed: bool = False) -> Service:
     """The calibrated cost model (dwdp.predict.simulate) of `sim_config`'s model, hardware and group; the
-    DWDP copies' contention stretch is the one dwdp.predict.simulate.simulate finds for that setting."""
+    DWDP copies' contention stretch is the one dwdp.predict.simulate.simulate finds for that setting.
+    packed: forwards compute their real tokens (a chunk's attention to its earlier chunks is not
+    charged: the model counts causal pairs within each piece); otherwise B x Tmax."""
     from dwdp.predict import costmodel as cm
     from dwdp.predict.simulate import simulate, simulate_dep, simulate_dwdp
 
@@ -192,23 +262,25 @@ def analytic_service(sim_config) -> Service:
     windows = sorted(set(spec.window), key=lambda w: -1 if w is None else w)
 
     def shape(per_rank: list[list[int]]) -> cm.ForwardShape:
-        padded = [[max(lengths)] * len(lengths) if lengths else [] for lengths in per_rank]
+        padded = [list(lengths) if packed else [max(lengths)] * len(lengths) if lengths else []
+                  for lengths in per_rank]
         tokens = np.array([[float(sum(p)) for p in padded]])                           # [1, N]
         pairs = {w: np.array([[float(np.sum(cm.causal_pairs(np.array(p), w))) if p else 0.0 for p in padded]])
                  for w in windows}
         return cm.ForwardShape(tokens, pairs, {w: tokens.copy() for w in windows})
 
     @lru_cache(maxsize=4096)
-    def padded_forward_s(num_prompts: int, longest: int) -> float:
-        _, rank_time, _ = simulate_dwdp(spec, hw, deploy, cal, shape([[longest] * num_prompts]), stretch)
+    def one_forward_s(lengths: tuple[int, ...]) -> float:
+        _, rank_time, _ = simulate_dwdp(spec, hw, deploy, cal, shape([list(lengths)]), stretch)
         return float(np.asarray(rank_time)[0, 0])
 
-    def forward_s(lengths):  # a DWDP forward depends on its padded shape only (no randomness): cached
-        return padded_forward_s(len(lengths), max(lengths))
+    def forward_s(lengths):  # a DWDP forward depends on its shape only (no randomness): cached
+        return one_forward_s(tuple(sorted(lengths)) if packed else (max(lengths),) * len(lengths))
 
     def step_s(per_rank):
         _, step = simulate_dep(spec, hw, deploy, cal, shape(per_rank), rng)
         return float(step[0])
 
     return Service(forward_s, step_s, {}, f"analytic cost model: {sim_config.model} {sim_config.weight_dtype} on "
-                   f"{sim_config.hardware}, group {sim_config.group_size}, copy stretch {stretch:.2f}")
+                   f"{sim_config.hardware}, group {sim_config.group_size}, copy stretch {stretch:.2f}"
+                   f"{', packed' if packed else ', padded'}", packed)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from dwdp.serve.config import prompt_limit
 from dwdp.serve.errors import ServeError
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
 from dwdp.serve.schemas import SAMPLING_NEUTRAL, CompletionRequest, FaultRequest, PrefillRequest
@@ -76,15 +77,6 @@ def _param(loc) -> str:
     return fields[0] if fields else "body"
 
 
-def prompt_cap(max_num_tokens: int, max_position_embeddings: int) -> tuple[int, str]:
-    """The longest prompt a server takes and why: the smaller of its max_num_tokens (prompts are not
-    chunked) and the model's max_position_embeddings."""
-    if max_position_embeddings < max_num_tokens:
-        return max_position_embeddings, (f"the model's max_position_embeddings; --max-num-tokens is "
-                                         f"{max_num_tokens}")
-    return max_num_tokens, "--max-num-tokens; prompts are not chunked"
-
-
 def check_sampling(fields: dict) -> None:
     """ServeError naming the first sampling field whose value would make sampling differ from the
     greedy first token this server returns."""
@@ -108,12 +100,13 @@ def _endpoints(app: FastAPI, config) -> list[str]:
 
 def create_app(pool, config, tokenizer=None) -> FastAPI:
     """The router app over a started WorkerPool. `pool.model_info` gives the vocabulary and the
-    longest position; prompts longer than config.max_num_tokens are rejected, not chunked."""
+    longest position; prompts up to `prompt_limit` are taken (longer than max_num_tokens: prefilled
+    in chunks), longer ones rejected."""
     app = FastAPI(title="dwdp context server", version="0.1.0")
     metrics = ServeMetrics(pool)
     app.state.metrics = metrics
     vocab = pool.model_info["vocab_size"]
-    max_prompt, max_prompt_reason = prompt_cap(config.max_num_tokens, pool.model_info["max_position_embeddings"])
+    max_prompt, limit_name = prompt_limit(config, pool.model_info)
 
     def fail(error: ServeError) -> JSONResponse:
         metrics.error(error.error_type)
@@ -157,7 +150,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
                                  f"{field}[{i}]={token} is outside the vocabulary [0, {vocab})", param=field)
         if len(ids) > max_prompt:
             raise ServeError(400, "context_length_exceeded", f"{field} has {len(ids)} tokens; this server takes "
-                             f"at most {max_prompt} per prompt ({max_prompt_reason})", param=field)
+                             f"at most {max_prompt} per prompt ({limit_name})", param=field)
         return ids
 
     def tokenize(text: str, field: str) -> list[int]:
@@ -177,7 +170,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
     def timing(result, ttft: float) -> dict:
         return {"queue_s": result.queue_s, "prefill_s": result.prefill_s, "kv_write_s": result.kv_write_s,
                 "ttft_s": ttft, "batch_size": result.batch_size, "batch_tokens": result.batch_tokens,
-                "prefetch_wait_s": result.prefetch_wait_s}
+                "prefetch_wait_s": result.prefetch_wait_s, "chunks": len(result.chunks) or 1}
 
     @app.post("/v1/prefill")
     async def v1_prefill(body: PrefillRequest):

@@ -7,6 +7,7 @@ PRESETS = ("tiny", "small")
 MODES = ("dwdp", "dep")
 BATCH_ORDERS = ("fifo", "shortest")
 RESTARTS = ("never", "on-failure")
+FORWARDS = ("auto", "padded")
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -28,8 +29,12 @@ class ServeConfig:
     preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model; "small": a
         Qwen3-MoE shape with 384 MiB of bf16 experts, for GPUs), seeded by `seed`.
     tokenizer: directory of a tokenizer for text prompts (default: `model` when it has one).
-    max_num_tokens: padded tokens per forward (batch size x longest prompt); also the longest
-        prompt accepted: longer prompts are rejected with 400, not chunked.
+    max_num_tokens: tokens per forward: real tokens of a packed forward (prompts back to back, a
+        longer prompt prefilled in chunks of at most this many); padded tokens (batch size x longest
+        prompt) for a family that cannot pack, where it also bounds the prompt (no chunks).
+    max_prompt_tokens: longest prompt accepted (400 beyond); None = the model's
+        max_position_embeddings, capped by max_queue_tokens. Above the model's positions the server
+        refuses to start (`prompt_limit`).
     max_queue_tokens: prompt tokens one worker may hold (queued + running) before the router
         answers 429; bounds the memory of every queue.
     max_body_bytes: largest request body; bigger ones get 413 before they are parsed.
@@ -63,6 +68,9 @@ class ServeConfig:
         mode on the CPU's host backend), "never" elsewhere.
     restart_backoff_s: delay before a worker's first restart in a minute; doubles with each further one.
     max_restarts_per_minute: restarts of one rank within a minute; one more death leaves it down.
+    forwards: "auto" (packed when the family's attention packs, dwdp.serve.packed.packing_support,
+        else padded) or "padded" (left-padded batches whatever the family, no chunks: the baseline
+        `dwdp bench serve` compares packing against).
     """
 
     ranks: int = 2
@@ -73,6 +81,7 @@ class ServeConfig:
     seed: int = 0
     tokenizer: str | None = None
     max_num_tokens: int = 1024
+    max_prompt_tokens: int | None = None
     max_queue_tokens: int = 8192
     max_body_bytes: int = 1 << 20
     kv_dir: str | None = None
@@ -93,6 +102,7 @@ class ServeConfig:
     restart: str | None = None
     restart_backoff_s: float = 0.5
     max_restarts_per_minute: int = 3
+    forwards: str = "auto"
 
     def __post_init__(self):
         _check_int("ranks", self.ranks, 1)
@@ -107,6 +117,11 @@ class ServeConfig:
         if self.max_queue_tokens < self.max_num_tokens:
             raise ValueError(f"max_queue_tokens={self.max_queue_tokens} must be >= max_num_tokens="
                              f"{self.max_num_tokens}: a worker must be able to queue the longest prompt")
+        if self.max_prompt_tokens is not None:
+            _check_int("max_prompt_tokens", self.max_prompt_tokens, 1)
+            if self.max_prompt_tokens > self.max_queue_tokens:
+                raise ValueError(f"max_prompt_tokens={self.max_prompt_tokens} must be <= max_queue_tokens="
+                                 f"{self.max_queue_tokens}: a worker must be able to queue the longest prompt")
         _check_int("max_body_bytes", self.max_body_bytes, 64)
         if self.slice_bytes is not None:
             _check_int("slice_bytes", self.slice_bytes, 1)
@@ -147,6 +162,16 @@ class ServeConfig:
         if self.restart is not None:
             return self.restart == "on-failure"
         return self.mode == "dwdp" and self.device == "cpu"
+        if self.forwards not in FORWARDS:
+            raise ValueError(f"forwards={self.forwards!r} is not one of {FORWARDS}")
+
+    def packs(self, model_config) -> tuple[bool, str]:
+        """(whether workers run packed forwards for this model, why not when they do not)."""
+        if self.forwards == "padded":
+            return False, "padded forwards asked for (forwards='padded')"
+        from dwdp.serve.packed import packing_support
+
+        return packing_support(model_config)
 
     @property
     def health_interval_s(self) -> float:
@@ -159,3 +184,25 @@ class ServeConfig:
         if self.model is not None:
             return self.model.rstrip("/").rsplit("/", 1)[-1]
         return f"dwdp-{self.preset}"
+
+
+def prompt_limit(config: ServeConfig, model_info: dict) -> tuple[int, str]:
+    """(longest prompt the server takes, the bound that sets it) once the workers told `model_info`
+    (max_position_embeddings, forwards "packed" or "padded", padded_reason). Packed workers chunk a
+    long prompt, so only the model's positions and the operator's bounds apply; padded ones take a
+    prompt in one forward. Raises ValueError naming the value and the limit when max_prompt_tokens
+    is above the model's positions."""
+    positions = int(model_info["max_position_embeddings"])
+    if config.max_prompt_tokens is not None and config.max_prompt_tokens > positions:
+        raise ValueError(f"max_prompt_tokens={config.max_prompt_tokens} is above the model's "
+                         f"max_position_embeddings={positions}")
+    bounds = {"the model's max_position_embeddings": positions}  # first: it names a tie
+    if config.max_prompt_tokens is not None:
+        bounds["--max-prompt-tokens"] = config.max_prompt_tokens
+    if model_info.get("forwards", "padded") == "packed":
+        bounds["--max-queue-tokens"] = config.max_queue_tokens
+    else:
+        why = model_info.get("padded_reason") or "padded forwards"
+        bounds[f"--max-num-tokens; this model's prompts are not chunked: {why}"] = config.max_num_tokens
+    name = min(bounds, key=bounds.get)
+    return bounds[name], name

@@ -6,7 +6,9 @@ What a DEP prefill server does (attention data parallel + expert parallel, dwdp.
 router hands each request to the rank with the fewest outstanding tokens, exactly as in DWDP mode;
 each rank runs attention on its own prompts, and every MoE layer exchanges tokens among all ranks
 (two all-to-alls). So the ranks step together. In each step:
-  1. every rank takes its next forward from its own queue (dwdp.serve.scheduling), without waiting;
+  1. every rank takes its next forward from its own queue (dwdp.serve.scheduling), without waiting:
+     packed (prompts back to back, long ones in chunks, at most max_num_tokens real tokens), or
+     left-padded for a family whose attention cannot pack;
   2. the ranks agree, with one all-gather of [prompts taken, is finished] per rank, whether anyone
      has work;
   3. if anyone has, each rank runs its forward, or `DEPModel.idle_step()` when it took none (its
@@ -36,8 +38,9 @@ import torch.distributed as dist
 
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
-from dwdp.serve.scheduling import take_forward
-from dwdp.serve.worker import answer_forward, model_info, pad_left, worker_info
+from dwdp.serve.prefill import InProgress
+from dwdp.serve.scheduling import take_forward, take_pieces
+from dwdp.serve.worker import answer_forward, model_info, pad_left, run_packed, worker_info
 
 log = logging.getLogger("dwdp")
 
@@ -115,14 +118,21 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def run_dep_step(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name: str, results):
-    """One step of this rank: a forward over `batch`, answering each job, or an idle step when
-    `batch` is empty. Returns the forward's last-position logits [B, V] (None when idle). Raises
-    what the forward or its collectives raised: the caller breaks the group."""
+def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, results):
+    """One step of this rank: a forward over `batch`, answering each finished job, or an idle step
+    when `batch` is empty. `batch`: PrefillJobs (a padded forward) or (InProgress, tokens) pairs (a
+    packed one, dwdp.serve.scheduling.take_pieces). Returns the padded forward's last-position
+    logits [B, V], the packed forward's [(finished prompt, its last logits [V])], or None when idle. Raises what the forward
+    or its collectives raised: the caller breaks the group."""
     if not batch:
         model.idle_step()
         model.stats.reset()
         return None
+    if isinstance(batch[0], tuple):
+        # comm_s: inside the all-to-alls, own transfers plus waiting for the slowest rank
+        done = run_packed(model, batch, rank, kv_dir, model_name, results, 0.0, lambda: model.stats.comm_s)
+        model.stats.reset()  # a long-lived server keeps no per-call history
+        return done
     results.put(BatchStarted(rank, tuple(job.request_id for job in batch)))
     started = time.monotonic()
     ids, mask, positions, pads = pad_left([job.input_ids for job in batch])
@@ -159,22 +169,28 @@ def _collect(requests, pending: deque, stopping: bool, wait_s: float) -> bool:
 def serve_dep_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, results, step_group,
                     pids: list[int], on_step=None) -> None:
     """Step with the peers until every rank has STOP and nothing left, or the router is gone.
-    `on_step(batch, logits)`: called after each step of this rank (tests). Raises DEPGroupBroken
+    `on_step(batch, out)`: called after each step of this rank with what run_dep_step took and returned (tests). Raises DEPGroupBroken
     after answering every prompt it holds with a `dep_group_broken` error."""
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
+    active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
+    is_packed = config.packs(model.config)[0]
     stopping, is_busy, step, last_check = False, False, 0, time.monotonic()
     while True:
-        stopping = _collect(requests, pending, stopping, 0.0 if pending or is_busy else IDLE_POLL_S)
+        stopping = _collect(requests, pending, stopping, 0.0 if pending or active or is_busy else IDLE_POLL_S)
         if not is_busy and time.monotonic() - last_check > PARENT_CHECK_S:
             last_check = time.monotonic()
             if parent is not None and not parent.is_alive():
                 return  # the router died without stopping us: nobody reads our answers (peers see us leave)
-        batch = take_forward(pending, config.max_num_tokens, config.batch_order, config.fairness_s,
-                             time.monotonic()) if pending else []
+        if is_packed:
+            batch = take_pieces(active, pending, config.max_num_tokens, config.batch_order, config.fairness_s,
+                                time.monotonic()) if pending or active else []
+        else:
+            batch = take_forward(pending, config.max_num_tokens, config.batch_order, config.fairness_s,
+                                 time.monotonic()) if pending else []
         what = f"the agreement on step {step + 1}"
         try:
-            plan = agree(step_group, rank, len(batch), stopping and not pending and not batch)
+            plan = agree(step_group, rank, len(batch), stopping and not pending and not batch and not active)
             if int(plan[:, 0].sum()) == 0:
                 if bool(plan[:, 1].all()):
                     return
@@ -189,9 +205,13 @@ def serve_dep_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests
                    f"every rank (each holds experts no other has); rank {rank} leaves. "
                    f"({type(exc).__name__}: {detail})")
             _collect(requests, pending, True, 0.0)
-            for job in list(batch) + list(pending):
+            held = [state.job for state in active] if is_packed else list(batch)
+            for job in held + list(pending):
                 results.put(PrefillError(job.request_id, rank, "dep_group_broken", why))
             raise DEPGroupBroken(why) from exc
+        if is_packed and logits:
+            gone = {id(state) for state, _ in logits}
+            active[:] = [state for state in active if id(state) not in gone]
         if on_step is not None:
             on_step(batch, logits)
 
@@ -267,7 +287,7 @@ def dep_worker_main(rank: int, world_size: int, master_port: int, config: ServeC
         started = time.monotonic()
         model, step_group, pids = build_dep_model(config, rank)
         worker = worker_info(model, time.monotonic() - started, "dep", "torch")
-        results.put(WorkerReady(rank, os.getpid(), {**model_info(model), "mode": "dep"}, worker))
+        results.put(WorkerReady(rank, os.getpid(), {**model_info(model, config), "mode": "dep"}, worker))
         reporter = DEPHealthReporter(rank, results, config.health_interval_s).start()
         serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids)
     except DEPGroupBroken as exc:

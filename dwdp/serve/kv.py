@@ -5,8 +5,11 @@ Hkv = cached heads, Dk / Dv = key / value head dims (the model's own: for DeepSe
 cache holds the decompressed keys [.., qk_nope + qk_rope] and values [.., v_head_dim]).
 
 File layout: tensors `layers.{l}.keys` [1, Hkv, T, Dk] and `layers.{l}.values` [1, Hkv, T, Dv]
-for every layer l, contiguous, in the model's dtype; string metadata records the format, the
-request, the layer count, the token count and the dtype.
+for every layer l, contiguous, in the model's dtype, holding positions 0 .. T-1 of the prompt
+(every layer holds every position, sliding-window layers included: a loader keeps what its cache
+keeps); string metadata records the format, the layout, the request, the layer count, the token
+count, the dtype, the positions, the model, the first token and how the prompt was prefilled
+(`forward`: "packed" or "padded"; `chunks`: its tokens per forward, comma-separated).
 """
 from __future__ import annotations
 
@@ -19,6 +22,17 @@ from safetensors.torch import save_file
 
 KV_FORMAT = "dwdp-kv-v1"
 KV_LAYOUT = "layers.{l}.keys [1, kv_heads, tokens, key_dim]; layers.{l}.values [1, kv_heads, tokens, value_dim]"
+
+
+def artifact_metadata(rank: int, model: str, first_token_id: int, chunks: tuple[int, ...], forward: str) -> dict:
+    """The string metadata a worker adds to an artifact (see the module docstring)."""
+    return {"rank": rank, "model": model, "first_token_id": first_token_id, "positions": f"0..{sum(chunks) - 1}",
+            "chunks": ",".join(map(str, chunks)), "forward": forward}
+
+
+def to_host(layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(keys, values) per layer as contiguous CPU tensors, ready for write_kv_artifact."""
+    return [(k.to("cpu").contiguous(), v.to("cpu").contiguous()) for k, v in layers]
 
 
 def request_cache(cache, row: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

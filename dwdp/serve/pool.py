@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from dwdp.runtime.group import free_port
-from dwdp.serve.config import ServeConfig
+from dwdp.serve.config import ServeConfig, prompt_limit
 from dwdp.serve.errors import ServeError
 from dwdp.serve.restarts import RestartPolicy
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
@@ -56,6 +56,11 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     rank: int = -1
     tried: set = field(default_factory=set)
+    done_tokens: int = 0  # tokens its worker has prefilled so far (chunks done); they no longer count as outstanding
+
+    @property
+    def left_tokens(self) -> int:
+        return len(self.job.input_ids) - self.done_tokens
 
 
 @dataclass
@@ -76,6 +81,8 @@ class _Rank:
     served_tokens: int = 0
     prefetch_wait_s: float = 0.0                        # exposed prefetch wait of its forwards
     forwards: int = 0
+    computed_tokens: int = 0                            # tokens its forwards computed (padding included)
+    real_tokens: int = 0                                # prompt tokens of its forwards
     health: dict = field(default_factory=dict)          # its latest failover status (WorkerHealth)
     info: dict = field(default_factory=dict)            # its device and memory, from WorkerReady
     first_forwards: list = field(default_factory=list)  # (seconds, padded tokens) of its first forwards
@@ -175,6 +182,11 @@ class WorkerPool:
                     slow = [r.rank for r in self._ranks if not r.is_ready]
                     raise StartupError(f"workers {slow} were not ready within {self.config.startup_timeout_s:.0f} s")
                 self._changed.wait(timeout=min(left, 0.5))
+        try:
+            prompt_limit(self.config, self.model_info)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        with self._changed:
             self._is_serving = True
 
     def close(self) -> None:
@@ -234,6 +246,7 @@ class WorkerPool:
             raise ServeError(429, "overloaded", str(exc), retry_after=RETRY_AFTER_S) from None
         r = self._ranks[rank]
         req.rank = rank
+        req.done_tokens = 0  # a worker that takes it over prefills it from the start
         req.tried.add(rank)
         r.queued[req.job.request_id] = req
         r.outstanding_tokens += num_tokens
@@ -246,7 +259,7 @@ class WorkerPool:
         if req is not None:
             r = self._ranks[req.rank]
             if r.queued.pop(request_id, None) is not None or r.running.pop(request_id, None) is not None:
-                r.outstanding_tokens -= len(req.job.input_ids)
+                r.outstanding_tokens -= req.left_tokens
             self._changed.notify_all()
         return req
 
@@ -325,6 +338,13 @@ class WorkerPool:
                 r = self._ranks[msg.rank]
                 r.forwards += 1
                 r.prefetch_wait_s += msg.prefetch_wait_s
+                r.computed_tokens += msg.padded_tokens
+                r.real_tokens += msg.real_tokens
+                for request_id, n in msg.prefilled:  # chunks done leave the worker's outstanding tokens
+                    done = self._requests.get(request_id)
+                    if done is not None and done.rank == msg.rank and request_id in r.running:
+                        done.done_tokens += n
+                        r.outstanding_tokens -= n
                 if len(r.first_forwards) < FIRST_FORWARDS:
                     r.first_forwards.append((msg.prefill_s, msg.padded_tokens))
             elif isinstance(msg, PrefillError) and msg.retryable:
@@ -345,7 +365,7 @@ class WorkerPool:
             return None, None
         r = self._ranks[req.rank]
         if r.queued.pop(msg.request_id, None) is not None or r.running.pop(msg.request_id, None) is not None:
-            r.outstanding_tokens -= len(req.job.input_ids)
+            r.outstanding_tokens -= req.left_tokens
         try:
             self._assign_locked(req, float("inf"))  # admitted already: the queue bound is for new requests
             self.num_retried += 1
@@ -397,7 +417,7 @@ class WorkerPool:
                         "this request; it was not retried elsewhere", retry_after=RETRY_AFTER_S)))
             for request_id in list(r.queued):
                 req = r.queued.pop(request_id)
-                r.outstanding_tokens -= len(req.job.input_ids)
+                r.outstanding_tokens -= req.left_tokens
                 try:
                     # Admitted already: the queue bound keeps new requests out, not retried ones.
                     self._assign_locked(req, float("inf"))
@@ -459,6 +479,7 @@ class WorkerPool:
                 "exit_code": r.exit_code, "queued": len(r.queued), "running": len(r.running),
                 "outstanding_tokens": r.outstanding_tokens, "served_requests": r.served_requests,
                 "served_tokens": r.served_tokens, "forwards": r.forwards,
+                "computed_tokens": r.computed_tokens, "real_tokens": r.real_tokens,
                 "prefetch_wait_s": r.prefetch_wait_s, "routable": r.is_routable, "stalled": r.is_stalled,
                 "lost_peers": r.health.get("lost", {}), "replans": r.health.get("replans", 0),
                 "retried_slices": r.health.get("retried_slices", 0),
@@ -480,7 +501,9 @@ class WorkerPool:
                 status = "unavailable"
             else:
                 status = "ok" if routable == len(workers) else "degraded"
-            return {"status": status, "mode": self.config.mode, "workers": workers, "in_flight": len(self._requests),
+            forwards = {"forwards": self.model_info.get("forwards"), "padded_reason": self.model_info.get("padded_reason")}
+            return {"status": status, "mode": self.config.mode, **forwards, "workers": workers,
+                    "in_flight": len(self._requests),
                     "retried": self.num_retried, "failed": self.num_failed,
                     "restarts": sum(r.restarts for r in self._ranks), "rejoins": sum(r.rejoins for r in self._ranks),
                     "redundancy": redundancy,

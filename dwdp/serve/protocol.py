@@ -44,9 +44,11 @@ class BatchStarted:
 class BatchDone:
     rank: int
     num_requests: int
-    padded_tokens: int          # batch size x longest prompt
+    padded_tokens: int          # tokens the forward computed: packed, its real tokens; padded, batch size x longest
     prefill_s: float
     prefetch_wait_s: float      # exposed expert-prefetch wait of this forward (DEP: time inside its all-to-alls)
+    real_tokens: int = 0        # prompt tokens of the forward (no padding)
+    prefilled: tuple[tuple[str, int], ...] = ()  # (request id, its tokens in this forward): a chunk or a whole prompt
 
 
 @dataclass(frozen=True)
@@ -55,13 +57,14 @@ class PrefillResult:
     rank: int
     first_token_id: int
     prompt_tokens: int
-    queue_s: float              # router queued it -> its forward started
-    prefill_s: float            # the batched forward it ran in
+    queue_s: float              # router queued it -> its (first) forward started
+    prefill_s: float            # its first forward's start -> its last forward's end
     kv_write_s: float           # extracting and writing its KV artifact
     batch_size: int             # requests in that forward
-    batch_tokens: int           # padded tokens in that forward (batch size x longest prompt)
+    batch_tokens: int           # tokens computed by its last forward (BatchDone.padded_tokens)
     prefetch_wait_s: float      # exposed expert-prefetch wait of that forward (DEP: time inside its all-to-alls)
     kv: dict                    # the KV artifact descriptor (dwdp.serve.kv.write_kv_artifact)
+    chunks: tuple[int, ...] = ()  # its tokens per forward, in order (one entry: not chunked)
 
 
 @dataclass(frozen=True)

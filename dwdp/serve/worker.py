@@ -3,9 +3,11 @@
 Legend: B = requests in a forward, Tmax = longest prompt of the forward, V = vocabulary.
 
 After the one collective of DWDP setup the worker never talks to another rank: it takes what is
-in its queue, batches it under `max_num_tokens` padded tokens, runs one left-padded forward
-through DWDPModel (whose expert prefetch runs in this same process), and answers every request
-with its first token, timings and a KV artifact.
+in its queue and runs one forward through DWDPModel (whose expert prefetch runs in this same
+process): packed, at most `max_num_tokens` real tokens, prompts back to back and long ones in
+chunks (dwdp.serve.prefill), or, for families whose attention cannot pack, left-padded under
+`max_num_tokens` padded tokens. Every finished request is answered with its first token, timings
+and a KV artifact.
 
 A health thread reads the peers' liveness (re-planning around a lost one) and reports this rank's
 failover status to the router several times per stall bound; a forward that fails for what the
@@ -28,10 +30,11 @@ import torch
 
 from dwdp.runtime.failover import RankDegraded
 from dwdp.serve.config import ServeConfig
-from dwdp.serve.kv import request_cache, write_kv_artifact
+from dwdp.serve.kv import artifact_metadata, request_cache, to_host, write_kv_artifact
+from dwdp.serve.prefill import InProgress, advance
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
                        WorkerHealth, WorkerReady)
-from dwdp.serve.scheduling import take_forward
+from dwdp.serve.scheduling import take_forward, take_pieces
 
 log = logging.getLogger("dwdp")
 
@@ -56,12 +59,14 @@ def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask, positions, pads
 
 
-def model_info(model) -> dict:
+def model_info(model, config: ServeConfig) -> dict:
     cfg = model.config
+    is_packed, why = config.packs(cfg)
     return {"vocab_size": int(cfg.vocab_size), "max_position_embeddings": int(cfg.max_position_embeddings),
             "num_layers": int(cfg.num_hidden_layers), "model_type": cfg.model_type,
             "local_expert_bytes": model.memory.local_expert_bytes,
-            "full_expert_bytes": model.memory.full_expert_bytes}
+            "full_expert_bytes": model.memory.full_expert_bytes,
+            "forwards": "packed" if is_packed else "padded", "padded_reason": why}
 
 
 def worker_info(model, ready_s: float, backend: str, experts_kernel: str) -> dict:
@@ -146,13 +151,15 @@ def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[
                    kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float) -> None:
     """After a forward over `batch` that started at `started`: BatchDone, then one PrefillResult
     (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [B] first tokens."""
-    results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s))
+    real = sum(len(job.input_ids) for job in batch)
+    results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s, real,
+                          tuple((job.request_id, len(job.input_ids)) for job in batch)))
     for row, job in enumerate(batch):
         t0 = time.monotonic()
         try:
             layers = request_cache(cache, row, pads[row])
-            kv = write_kv_artifact(kv_dir, job.request_id, layers,
-                                   {"rank": rank, "model": model_name, "first_token_id": first[row]})
+            kv = write_kv_artifact(kv_dir, job.request_id, layers, artifact_metadata(
+                rank, model_name, first[row], (len(job.input_ids),), "padded"))
         except Exception as exc:
             results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
             continue
@@ -163,13 +170,73 @@ def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[
         ))
 
 
+def run_packed(model, plan: list[tuple[InProgress, int]], rank: int, kv_dir: str, model_name: str, results,
+               wait_before: float = 0.0, wait_of=None) -> list[InProgress]:
+    """One packed forward of `plan` (dwdp.serve.scheduling.take_pieces): BatchStarted, the forward,
+    BatchDone with each prompt's tokens in it, then a PrefillResult (or PrefillError) for every
+    prompt it finished. Returns [(finished prompt, its last-position logits [V])]. Raises what
+    the forward raised, after nothing was answered: the caller fails the plan's prompts.
+    wait_of(): the exposed wait of the forward (DWDP prefetch wait, DEP all-to-all time) so far."""
+    started = time.monotonic()
+    for state, _ in plan:
+        if state.started is None:
+            state.started = started
+    results.put(BatchStarted(rank, tuple(state.job.request_id for state, _ in plan)))
+    finished = advance(model, plan)
+    prefill_s = time.monotonic() - started
+    wait_s = (wait_of() if wait_of is not None else 0.0) - wait_before
+    real = sum(n for _, n in plan)
+    results.put(BatchDone(rank, len(plan), real, prefill_s, wait_s, real,
+                          tuple((state.job.request_id, n) for state, n in plan)))
+    for state, first, _ in finished:
+        job, t0 = state.job, time.monotonic()
+        try:
+            kv = write_kv_artifact(kv_dir, job.request_id, to_host(state.kv), artifact_metadata(
+                rank, model_name, first, tuple(state.chunks), "packed"))
+        except Exception as exc:
+            results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
+            continue
+        finally:
+            state.kv = None  # its KV is in the artifact (or lost with the error): free the device copy
+        results.put(PrefillResult(
+            request_id=job.request_id, rank=rank, first_token_id=first, prompt_tokens=len(job.input_ids),
+            queue_s=state.started - job.enqueued, prefill_s=time.monotonic() - state.started,
+            kv_write_s=time.monotonic() - t0, batch_size=len(plan), batch_tokens=real, prefetch_wait_s=wait_s,
+            kv=kv, chunks=tuple(state.chunks)))
+    return [(state, logits) for state, _, logits in finished]
+
+
+def step_packed(model, active: list[InProgress], pending: deque, rank: int, config: ServeConfig, kv_dir: str,
+                results) -> None:
+    """Take the next packed forward from `active` and `pending` and run it (DWDP worker); a forward
+    that fails answers every prompt it held (retryable when the rank lost experts or its device)."""
+    plan = take_pieces(active, pending, config.max_num_tokens, config.batch_order, config.fairness_s,
+                       time.monotonic())
+    try:
+        done = [state for state, _ in run_packed(model, plan, rank, kv_dir, config.model_name, results,
+                                                 model.stats.wait_s, lambda: model.stats.wait_s)]
+    except RankDegraded as exc:
+        for state, _ in plan:
+            results.put(PrefillError(state.job.request_id, rank, "rank_degraded", str(exc), retryable=True))
+        done = [state for state, _ in plan]
+        results.put(health_message(model, rank))
+    except Exception as exc:
+        for state, _ in plan:
+            results.put(PrefillError(state.job.request_id, rank, "prefill_failed", f"rank {rank}: {exc!r}"))
+        done = [state for state, _ in plan]
+    gone = {id(state) for state in done}
+    active[:] = [state for state in active if id(state) not in gone]
+
+
 def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, results) -> None:
     """Loop until STOP (after finishing everything queued before it) or until the router is gone."""
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
+    active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
+    is_packed = config.packs(model.config)[0]
     stopping = False
-    while not (stopping and not pending):
-        if not pending and not stopping:
+    while not (stopping and not pending and not active):
+        if not pending and not active and not stopping:
             try:
                 job = requests.get(timeout=1.0)
             except queue.Empty:
@@ -190,7 +257,9 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
                 stopping = True
             elif not _control(model, rank, job, results):
                 pending.append(job)
-        if pending:
+        if is_packed and (pending or active):
+            step_packed(model, active, pending, rank, config, kv_dir, results)
+        elif pending:
             batch = take_forward(pending, config.max_num_tokens, config.batch_order, config.fairness_s,
                                  time.monotonic())
             run_batch(model, batch, rank, kv_dir, config.model_name, results)
@@ -245,7 +314,7 @@ def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfi
     try:
         model = build_worker_model(config, rank)
         ready = worker_info(model, time.monotonic() - started, model.backend, model.experts_kernel)
-        results.put(WorkerReady(rank, os.getpid(), model_info(model), ready))
+        results.put(WorkerReady(rank, os.getpid(), model_info(model, config), ready))
         reporter = HealthReporter(model, rank, results, config.health_interval_s).start()
         serve_queue(model, rank, config, kv_dir, requests, results)
     except BaseException:
