@@ -30,8 +30,8 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 NOT_PACKABLE = {
     "doge": "its router (DogeCDMoE) reshapes router logits across the tokens of a row, so one prompt's tokens "
             "pick another's experts",
-    "diffusion_gemma": "a block-diffusion model: its logits come from a decoder canvas that attends "
-                       "bidirectionally to the whole cached prefix, every prompt of a packed row included",
+    "diffusion_gemma": "a block-diffusion model: its logits are those of a decoder canvas (random tokens "
+                       "unless given) that attends to the whole cache, every prompt of a packed row included",
 }
 
 
