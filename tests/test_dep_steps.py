@@ -61,7 +61,8 @@ def _serve_rank(rank: int, ranks: int, held: list[list[list[int]]], max_num_toke
 
     started = time.monotonic()
     try:
-        serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids, on_step=on_step)
+        serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids, is_packed=True,
+                        on_step=on_step)
     except DEPGroupBroken as exc:
         broken, failed_at = str(exc), time.monotonic() - started
         if fault == "stop":

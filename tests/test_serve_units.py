@@ -92,7 +92,7 @@ def test_kv_artifact_round_trip_is_bit_exact(tmp_path, dtype):
     ({"mode": "dep", "expert_replicas": 2}, "expert_replicas"), ({"mode": "dep", "fault_injection": True},
                                                                  "fault_injection"),
     ({"step_timeout_s": 0}, "step_timeout_s"), ({"batch_order": "lifo"}, "batch_order"),
-    ({"fairness_s": -1}, "fairness_s"),
+    ({"fairness_s": -1}, "fairness_s"), ({"forwards": "packed"}, "forwards"),
 ])
 def test_serve_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -69,7 +69,8 @@ class ServeConfig:
     restart_backoff_s: delay before a worker's first restart in a minute; doubles with each further one.
     max_restarts_per_minute: restarts of one rank within a minute; one more death leaves it down.
     forwards: "auto" (packed when the family's attention packs, dwdp.serve.packed.packing_support,
-        else padded) or "padded" (left-padded batches whatever the family, no chunks: the baseline
+        and the worker's startup self-check of a packed forward passes, dwdp.serve.packcheck; else
+        padded) or "padded" (left-padded batches whatever the family, no chunks: the baseline
         `dwdp bench serve` compares packing against).
     """
 
@@ -156,17 +157,18 @@ class ServeConfig:
                              f"device (got mode={self.mode!r}, device={self.device!r}); use restart='never'")
         _check_seconds("restart_backoff_s", self.restart_backoff_s)
         _check_int("max_restarts_per_minute", self.max_restarts_per_minute, 1)
+        if self.forwards not in FORWARDS:
+            raise ValueError(f"forwards={self.forwards!r} is not one of {FORWARDS}")
 
     @property
     def restarts_workers(self) -> bool:
         if self.restart is not None:
             return self.restart == "on-failure"
         return self.mode == "dwdp" and self.device == "cpu"
-        if self.forwards not in FORWARDS:
-            raise ValueError(f"forwards={self.forwards!r} is not one of {FORWARDS}")
 
     def packs(self, model_config) -> tuple[bool, str]:
-        """(whether workers run packed forwards for this model, why not when they do not)."""
+        """(whether workers may run packed forwards for this model, why not when they may not), from the
+        config alone; a worker then self-checks a packed forward (dwdp.serve.packcheck.worker_forwards)."""
         if self.forwards == "padded":
             return False, "padded forwards asked for (forwards='padded')"
         from dwdp.serve.packed import packing_support

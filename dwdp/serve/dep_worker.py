@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dwdp.serve.config import ServeConfig
+from dwdp.serve.packcheck import worker_forwards
 from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
 from dwdp.serve.prefill import InProgress
 from dwdp.serve.scheduling import take_forward, take_pieces
@@ -167,14 +168,14 @@ def _collect(requests, pending: deque, stopping: bool, wait_s: float) -> bool:
 
 
 def serve_dep_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, results, step_group,
-                    pids: list[int], on_step=None) -> None:
+                    pids: list[int], is_packed: bool, on_step=None) -> None:
     """Step with the peers until every rank has STOP and nothing left, or the router is gone.
+    is_packed: packed forwards (dwdp.serve.packcheck.worker_forwards), else padded ones.
     `on_step(batch, out)`: called after each step of this rank with what run_dep_step took and returned (tests). Raises DEPGroupBroken
     after answering every prompt it holds with a `dep_group_broken` error."""
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
     active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
-    is_packed = config.packs(model.config)[0]
     stopping, is_busy, step, last_check = False, False, 0, time.monotonic()
     while True:
         stopping = _collect(requests, pending, stopping, 0.0 if pending or active or is_busy else IDLE_POLL_S)
@@ -286,10 +287,13 @@ def dep_worker_main(rank: int, world_size: int, master_port: int, config: ServeC
     try:
         started = time.monotonic()
         model, step_group, pids = build_dep_model(config, rank)
+        # Through DEPModel, every rank at once (its forwards are collective): the forward it will serve with.
+        packing = worker_forwards(model, config, rank)
+        model.stats.reset()  # the first step's exposed wait starts from zero
         worker = worker_info(model, time.monotonic() - started, "dep", "torch")
-        results.put(WorkerReady(rank, os.getpid(), {**model_info(model, config), "mode": "dep"}, worker))
+        results.put(WorkerReady(rank, os.getpid(), {**model_info(model, packing), "mode": "dep"}, worker))
         reporter = DEPHealthReporter(rank, results, config.health_interval_s).start()
-        serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids)
+        serve_dep_queue(model, rank, config, kv_dir, requests, results, step_group, pids, packing[0])
     except DEPGroupBroken as exc:
         log.error("%s", exc)
         if reporter is not None:

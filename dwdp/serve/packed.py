@@ -12,8 +12,9 @@ positions, not by transformers (whose packed-sequence detection, masking_utils.
 find_packed_sequence_indices, runs only without a cache), in the attention implementation's format.
 
 Families whose layers carry state along the sequence outside attention (linear attention, Mamba,
-convolutions) cannot pack: that state would flow from one prompt into the next. They fall back to
-padded batches (`packing_support`).
+convolutions) cannot pack: that state would flow from one prompt into the next. Nor can the families
+in NOT_PACKABLE, which the startup self-check (dwdp.serve.packcheck) found to fail a packed forward
+for reasons no config field shows. They fall back to padded batches (`packing_support`).
 """
 from __future__ import annotations
 
@@ -23,6 +24,15 @@ import torch
 
 # Layer kinds whose only mixing along the sequence is attention under a mask built here.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+# model_type -> why its prompts cannot share a packed row, for families whose config looks packable
+# but whose packed forward fails the startup self-check (tests/test_packcheck.py confirms each).
+NOT_PACKABLE = {
+    "doge": "its router (DogeCDMoE) reshapes router logits across the tokens of a row, so one prompt's tokens "
+            "pick another's experts",
+    "diffusion_gemma": "a block-diffusion model: its logits are those of a decoder canvas (random tokens "
+                       "unless given) that attends to the whole cache, every prompt of a packed row included",
+}
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,9 @@ def layer_types(config) -> list[str]:
 def packing_support(config) -> tuple[bool, str]:
     """(whether prompts of this model can share one packed forward, why not when they cannot)."""
     cfg = text_config(config)
+    for model_type in dict.fromkeys((getattr(config, "model_type", None), getattr(cfg, "model_type", None))):
+        if model_type in NOT_PACKABLE:
+            return False, f"{model_type}: {NOT_PACKABLE[model_type]}"
     other = sorted({t for t in layer_types(cfg) if t not in ATTENTION_LAYER_TYPES})
     if other:
         return False, (f"layers of type {other} carry state along the sequence outside attention, so one prompt "

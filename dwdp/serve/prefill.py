@@ -75,7 +75,9 @@ def packed_forward(model, pieces: list[Piece], prefixes: list) -> tuple[torch.Te
         out = model(input_ids=packed["input_ids"].to(device), position_ids=packed["position_ids"].to(device),
                     attention_mask=mask, cache=cache, use_cache=True,
                     logits_to_keep=torch.tensor(packed["last"], device=device))
-    logits = out.logits[0]                                                     # [P, V]
+    logits = out.logits[0]                                                     # [P, V], or [N, V] when
+    if logits.shape[0] != len(pieces):  # the model ignores logits_to_keep (qwen3_omni_moe's thinker)
+        logits = logits[packed["last"]]                                        # [P, V]
     kv, offset = [], cached
     for piece in pieces:
         n = len(piece.ids)

@@ -31,6 +31,7 @@ import torch
 from dwdp.runtime.failover import RankDegraded
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import artifact_metadata, request_cache, to_host, write_kv_artifact
+from dwdp.serve.packcheck import worker_forwards
 from dwdp.serve.prefill import InProgress, advance
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
                        WorkerHealth, WorkerReady)
@@ -59,9 +60,11 @@ def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor
     return ids, mask, positions, pads
 
 
-def model_info(model, config: ServeConfig) -> dict:
+def model_info(model, packing: tuple[bool, str]) -> dict:
+    """What the router and /health learn of the model; packing: (is_packed, padded_reason) from
+    dwdp.serve.packcheck.worker_forwards."""
     cfg = model.config
-    is_packed, why = config.packs(cfg)
+    is_packed, why = packing
     return {"vocab_size": int(cfg.vocab_size), "max_position_embeddings": int(cfg.max_position_embeddings),
             "num_layers": int(cfg.num_hidden_layers), "model_type": cfg.model_type,
             "local_expert_bytes": model.memory.local_expert_bytes,
@@ -228,12 +231,12 @@ def step_packed(model, active: list[InProgress], pending: deque, rank: int, conf
     active[:] = [state for state in active if id(state) not in gone]
 
 
-def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, results) -> None:
-    """Loop until STOP (after finishing everything queued before it) or until the router is gone."""
+def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, results, is_packed: bool) -> None:
+    """Loop until STOP (after finishing everything queued before it) or until the router is gone.
+    is_packed: packed forwards (dwdp.serve.packcheck.worker_forwards), else padded ones."""
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
     active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
-    is_packed = config.packs(model.config)[0]
     stopping = False
     while not (stopping and not pending and not active):
         if not pending and not active and not stopping:
@@ -313,10 +316,11 @@ def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfi
     started = time.monotonic()
     try:
         model = build_worker_model(config, rank)
+        packing = worker_forwards(model, config, rank)  # through DWDPModel: the forward it will serve with
         ready = worker_info(model, time.monotonic() - started, model.backend, model.experts_kernel)
-        results.put(WorkerReady(rank, os.getpid(), model_info(model, config), ready))
+        results.put(WorkerReady(rank, os.getpid(), model_info(model, packing), ready))
         reporter = HealthReporter(model, rank, results, config.health_interval_s).start()
-        serve_queue(model, rank, config, kv_dir, requests, results)
+        serve_queue(model, rank, config, kv_dir, requests, results, packing[0])
     except BaseException:
         results.put(WorkerFailed(rank, traceback.format_exc()))
     finally:
