@@ -170,6 +170,13 @@ class HostTransport(Transport):
         self._segment = map_file(str(path), max(nbytes, 1))[:nbytes]
         return self._segment
 
+    def segment_fd(self) -> int:
+        """A new read-write descriptor of this rank's segment file (the caller closes it), for
+        mapping its pages elsewhere (composite views). Only before seal: the name goes then."""
+        if self._path is None:
+            raise RuntimeError(f"rank {self.rank}: segment_fd() needs an allocated, unsealed segment")
+        return os.open(self._path, os.O_RDWR)
+
     def register(self) -> dict:
         if self._path is None:
             raise RuntimeError(f"rank {self.rank}: register() before alloc_segment()")
