@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("auto", "host", "cuda")
-EXPERTS_KERNELS = ("auto", "reference", "triton", "triton_fp8")
+EXPERTS_KERNELS = ("auto", "composite", "reference", "triton", "triton_fp8")
 CUDA_COPIES = ("batch", "memcpy")
 CUDA_MAPPINGS = ("auto", "ipc", "symmetric_memory")
 EXPERT_BIASES = ("auto", "replicate", "move")
@@ -52,8 +52,12 @@ class DWDPConfig:
     experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
         two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first),
         "triton_fp8" (triton with fp8 x fp8 dots: fp8 experts only, tokens quantized per row and
-        weight block of K), or "auto": triton for CUDA models (triton_fp8 for fp8 experts: the
-        dequantizing path is too slow to be chosen for you), reference otherwise.
+        weight block of K), "composite" (each layer's experts are one [E, ...] tensor whose local
+        experts are this rank's segment pages mapped in place and whose remote ones are pool pages the
+        prefetch fills; the model's own experts implementation runs on it: dwdp.runtime.composite_experts),
+        or "auto": composite where the backend builds composite views (host on Linux), else triton for
+        CUDA models (triton_fp8 for fp8 experts: the dequantizing path is too slow to be chosen for
+        you), reference otherwise; a fallback from composite says why in one log line.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
         batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
     copy_batches: most batches one layer's copy is cut into; each ends where experts complete. cuda:
