@@ -68,6 +68,13 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default="bench/results", help="where the JSON and PNG go (default bench/results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up on the group")
+    p.add_argument("--experts-paths", action="store_true",
+                   help="instead: time the forward with composite views, the tables path, a merge copy and "
+                        "replicated at equal routing with copies that cost nothing (dwdp.benchmarks.experts_paths)")
+    p.add_argument("--experts-tokens", type=int, nargs="+", default=[8, 512],
+                   help="tokens per forward for --experts-paths (default 8 512)")
+    p.add_argument("--experts-rounds", type=int, default=5, help="interleaved rounds for --experts-paths (default 5)")
+    p.add_argument("--experts-repeats", type=int, default=5, help="timed forwards per round (default 5)")
     return p
 
 
@@ -378,6 +385,10 @@ def _launch_with_progress(opts: dict, timeout_s: float, show: bool) -> list[dict
 
 def run_compare(args: argparse.Namespace) -> int:
     """Run the comparison described by parsed `args`; prints the table last, returns the exit code."""
+    if getattr(args, "experts_paths", False):
+        from dwdp.benchmarks.experts_paths import run_experts_paths
+
+        return run_experts_paths(args)
     try:
         opts = options_from_args(args)
     except ValueError as exc:
