@@ -44,7 +44,8 @@ def _merged(own, tensors):
     return run
 
 
-def _build(path: str, family: str, seed: int, group, num_layers: int):
+def _build(path: str, family: str, seed: int, group):
+    from dwdp.models.adapters import find_experts
     from dwdp.models.tiny import build_tiny_model
     from dwdp.runtime.config import DWDPConfig
     from dwdp.runtime.model import DWDPModel
@@ -53,7 +54,8 @@ def _build(path: str, family: str, seed: int, group, num_layers: int):
     if path == "replicated":
         return model, None
     kernel = "reference" if path == "tables" else "composite"
-    wrapped = DWDPModel(model, DWDPConfig(experts_kernel=kernel, num_buffers=num_layers, slice_bytes=1 << 20), group)
+    num_moe = max(2, len(find_experts(model)))  # one slot per MoE layer: nothing is refilled after warm-up
+    wrapped = DWDPModel(model, DWDPConfig(experts_kernel=kernel, num_buffers=num_moe, slice_bytes=1 << 20), group)
     if path == "merge":
         for layer in wrapped.experts_layers:
             own = getattr(layer.module, "_dwdp_own_experts", None)
@@ -68,7 +70,7 @@ def _rank(rank: int, family: str, tokens: list[int], rounds: int, repeats: int, 
 
     torch.set_num_threads(1)
     group = init_group(2)
-    models = {p: _build(p, family, seed, group, MODEL["num_layers"]) for p in PATHS}
+    models = {p: _build(p, family, seed, group) for p in PATHS}
     gen = torch.Generator().manual_seed(seed + 1)  # the same prompts on every rank: equal routing
     prompts = {t: torch.randint(3, MODEL["vocab"], (1, t), generator=gen) for t in tokens}
     samples = {t: {p: [] for p in PATHS} for t in tokens}

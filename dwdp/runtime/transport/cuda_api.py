@@ -109,8 +109,11 @@ def _check_driver(call: str, fn, *args):
         try:
             name = _decode(drv.cuGetErrorName(err)[1])
             text = _decode(drv.cuGetErrorString(err)[1])
-        except Exception:
-            name, text = f"CUresult_{int(err)}", "unknown error"
+        except Exception:  # no libcuda to ask: the enum still names the code
+            try:
+                name, text = drv.CUresult(int(err)).name, "(no driver to describe it)"
+            except ValueError:
+                name, text = f"CUresult_{int(err)}", "unknown error"
         raise CudaError(call, int(err), name, text)
     outputs = result[1:]
     return outputs[0] if len(outputs) == 1 else outputs

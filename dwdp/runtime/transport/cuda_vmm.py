@@ -1,0 +1,230 @@
+"""CUDA composite views with the virtual memory management API: not yet run on a GPU.
+
+Legend: g = allocation granularity (cuMemGetAllocationGranularity, usually 2 MiB), M = MoE layers.
+
+What it does, on `cuda.bindings.driver` (or a recording fake with the same functions and signatures):
+- `Vmm`: the cuMem calls with the real bindings' structs (CUmemAllocationProp, CUmemAccessDesc,
+  CUmemAllocationHandleType), each result checked like dwdp.runtime.transport.cuda_api does.
+- `choose_mapping`: fabric handles where the device supports them and an IMEX channel exists, POSIX
+  file descriptors where supported, else CUDA IPC (the multi-buffer path); one log line per rank.
+- `CudaCompositeViews`: the page plan of dwdp.runtime.composite mapped with cuMemAddressReserve /
+  cuMemMap (local extents from the rank's exportable segment allocation, the rest from a private pool
+  allocation), ONE cuMemSetAccess per layer range, tensors through `__cuda_array_interface__`, and the
+  reverse (unmap, free the range, release the pool) on close.
+- `send_fds` / `recv_fds`: passing exported POSIX fds to peers over a Unix socket (SCM_RIGHTS).
+
+Not built: the cuda transport does not use these yet (its segments are still cudaMalloc + CUDA IPC,
+so `experts_kernel="auto"` on CUDA falls back to the multi-buffer path, saying so in one log line).
+A dead exporter's memory: an imported VMM allocation keeps its physical pages alive until every
+importer releases its handle (GPU_NOTES.md 6/7: still to be confirmed on a GPU), as a mapped /dev/shm
+file does on the host backend.
+"""
+from __future__ import annotations
+
+import glob
+import logging
+import os
+import socket
+from dataclasses import dataclass
+
+from dwdp.runtime.composite import SEGMENT, CompositeLayout
+from dwdp.runtime.transport.cuda_api import CudaError, _bindings, _check_driver
+
+log = logging.getLogger("dwdp")
+
+IMEX_CHANNELS = "/dev/nvidia-caps-imex-channels/channel*"
+MAPPINGS = ("vmm-fabric", "vmm-posix-fd", "ipc")
+
+
+class Vmm:
+    """The cuMem calls for one device. driver: cuda.bindings.driver (default) or a fake of it."""
+
+    def __init__(self, device: int, driver=None):
+        self.drv = driver if driver is not None else _bindings()[1]
+        self.device = device
+
+    def handle_type(self, name: str):
+        """CUmemAllocationHandleType for "posix_fd", "fabric" or "none"."""
+        kinds = self.drv.CUmemAllocationHandleType
+        table = {"posix_fd": kinds.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, "fabric": kinds.CU_MEM_HANDLE_TYPE_FABRIC,
+                 "none": kinds.CU_MEM_HANDLE_TYPE_NONE}
+        if name not in table:
+            raise ValueError(f"handle type {name!r} is not one of {sorted(table)}")
+        return table[name]
+
+    def prop(self, handle_type: str):
+        """CUmemAllocationProp: pinned device memory on this device, exportable as `handle_type`."""
+        drv = self.drv
+        prop = drv.CUmemAllocationProp()
+        prop.type = drv.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        prop.location.id = self.device
+        prop.requestedHandleTypes = self.handle_type(handle_type)
+        return prop
+
+    def supports(self, handle_type: str) -> bool:
+        attrs = self.drv.CUdevice_attribute
+        attr = {"posix_fd": attrs.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                "fabric": attrs.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_FABRIC_SUPPORTED}[handle_type]
+        return bool(_check_driver("cuDeviceGetAttribute", self.drv.cuDeviceGetAttribute, attr, self.device))
+
+    def granularity(self, handle_type: str) -> int:
+        flags = self.drv.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
+        return int(_check_driver("cuMemGetAllocationGranularity", self.drv.cuMemGetAllocationGranularity,
+                                 self.prop(handle_type), flags))
+
+    def create(self, nbytes: int, handle_type: str):
+        return _check_driver("cuMemCreate", self.drv.cuMemCreate, nbytes, self.prop(handle_type), 0)
+
+    def export(self, handle, handle_type: str):
+        """An fd (posix_fd) or the 64 handle bytes (fabric) that a peer imports."""
+        out = _check_driver("cuMemExportToShareableHandle", self.drv.cuMemExportToShareableHandle, handle,
+                            self.handle_type(handle_type), 0)
+        return bytes(out.data) if handle_type == "fabric" else int(out)
+
+    def import_(self, shareable, handle_type: str):
+        return _check_driver("cuMemImportFromShareableHandle", self.drv.cuMemImportFromShareableHandle, shareable,
+                             self.handle_type(handle_type))
+
+    def reserve(self, nbytes: int, alignment: int) -> int:
+        return int(_check_driver("cuMemAddressReserve", self.drv.cuMemAddressReserve, nbytes, alignment, 0, 0))
+
+    def map(self, ptr: int, nbytes: int, offset: int, handle) -> None:
+        _check_driver("cuMemMap", self.drv.cuMemMap, ptr, nbytes, offset, handle, 0)
+
+    def set_access(self, ptr: int, nbytes: int) -> None:
+        """Read-write access for this device over [ptr, ptr + nbytes): one call per whole range
+        (NVL72's fabric routing table is small)."""
+        drv = self.drv
+        desc = drv.CUmemAccessDesc()
+        desc.location.type = drv.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        desc.location.id = self.device
+        desc.flags = drv.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        _check_driver("cuMemSetAccess", drv.cuMemSetAccess, ptr, nbytes, [desc], 1)
+
+    def unmap(self, ptr: int, nbytes: int) -> None:
+        _check_driver("cuMemUnmap", self.drv.cuMemUnmap, ptr, nbytes)
+
+    def address_free(self, ptr: int, nbytes: int) -> None:
+        _check_driver("cuMemAddressFree", self.drv.cuMemAddressFree, ptr, nbytes)
+
+    def release(self, handle) -> None:
+        _check_driver("cuMemRelease", self.drv.cuMemRelease, handle)
+
+
+def imex_channel_present(pattern: str = IMEX_CHANNELS) -> bool:
+    return bool(glob.glob(pattern))
+
+
+def choose_mapping(vmm: Vmm, rank: int, imex: bool | None = None) -> str:
+    """"vmm-fabric", "vmm-posix-fd" or "ipc" for this rank, trying an export of one granule (a device
+    may list a handle type and still refuse to export it, e.g. fabric outside an IMEX domain);
+    one log line names the choice and why."""
+    imex = imex_channel_present() if imex is None else imex
+    refused = []
+    for kind, mapping in (("fabric", "vmm-fabric"), ("posix_fd", "vmm-posix-fd")):
+        if kind == "fabric" and not imex:
+            refused.append("fabric: no IMEX channel")
+            continue
+        if not vmm.supports(kind):
+            refused.append(f"{kind}: not supported by device {vmm.device}")
+            continue
+        handle = None
+        try:
+            handle = vmm.create(vmm.granularity(kind), kind)
+            shareable = vmm.export(handle, kind)
+        except CudaError as exc:
+            refused.append(f"{kind}: {exc}")
+            continue
+        finally:
+            if handle is not None:
+                vmm.release(handle)
+        if kind == "posix_fd":
+            os.close(shareable)
+        log.info("rank %d: composite views over CUDA VMM with %s handles%s", rank, kind,
+                 f" ({'; '.join(refused)})" if refused else "")
+        return mapping
+    log.info("rank %d: CUDA IPC mapping, multi-buffer experts path (VMM export refused: %s)", rank,
+             "; ".join(refused))
+    return "ipc"
+
+
+@dataclass(frozen=True)
+class _Mapped:
+    ptr: int
+    nbytes: int
+
+
+class _CudaArray:
+    """Something torch.as_tensor(..., device="cuda") reads as a uint8 vector at a device pointer."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(ptr, False), version=3,
+                                             strides=None)
+
+
+class CudaCompositeViews:
+    """One rank's composite views on CUDA (see the module docstring).
+
+    layout: the rank's CompositeLayout, granularity a multiple of the device's.
+    segment: the rank's segment allocation handle (cuMemCreate, exportable; peers import it).
+    """
+
+    def __init__(self, layout: CompositeLayout, segment, vmm: Vmm, handle_type: str = "posix_fd"):
+        g = vmm.granularity(handle_type)
+        if layout.granularity % g:
+            raise ValueError(f"layout granularity {layout.granularity} is not a multiple of the device's {g}")
+        self.layout, self.vmm = layout, vmm
+        self.total = layout.num_layers * layout.layer_nbytes
+        self._mapped: list[_Mapped] = []
+        self.base = self._pool = None
+        try:
+            # Private: nobody imports the pool, so it asks for no shareable handle type.
+            self._pool = vmm.create(max(layout.pool_nbytes, layout.granularity), "none")
+            self.base = vmm.reserve(self.total, layout.granularity)
+            for layer in range(layout.num_layers):
+                at = self.base + layer * layout.layer_nbytes
+                for run in layout.map_runs(layer):
+                    vmm.map(at + run.view_offset, run.nbytes, run.file_offset,
+                            segment if run.backing == SEGMENT else self._pool)
+                    self._mapped.append(_Mapped(at + run.view_offset, run.nbytes))
+                vmm.set_access(at, layout.layer_nbytes)  # one per layer range, after every piece is mapped
+        except BaseException:
+            self.close()
+            raise
+
+    def layer_pointer(self, layer: int) -> int:
+        """Device address of `layer`'s range: the copy plan's destination base."""
+        return self.base + layer * self.layout.layer_nbytes
+
+    def array(self, layer: int) -> _CudaArray:
+        """`layer`'s range as a `__cuda_array_interface__` object (torch.as_tensor(obj, device="cuda"))."""
+        return _CudaArray(self.layer_pointer(layer), self.layout.layer_nbytes)
+
+    def close(self) -> None:
+        """Unmap every piece, free the range, release the pool (the reverse of construction)."""
+        for piece in reversed(self._mapped):
+            self.vmm.unmap(piece.ptr, piece.nbytes)
+        self._mapped = []
+        if self.base is not None:
+            self.vmm.address_free(self.base, self.total)
+            self.base = None
+        if self._pool is not None:
+            self.vmm.release(self._pool)
+            self._pool = None
+
+
+def send_fds(sock: socket.socket, fds: list[int], payload: bytes = b"dwdp") -> None:
+    """Pass `fds` to the process at the other end of Unix socket `sock` (SCM_RIGHTS)."""
+    socket.send_fds(sock, [payload], fds)
+
+
+def recv_fds(sock: socket.socket, count: int) -> list[int]:
+    """Receive `count` descriptors sent with send_fds: new fds of this process for the same objects."""
+    _msg, fds, _flags, _addr = socket.recv_fds(sock, 1024, count)
+    if len(fds) != count:
+        raise ValueError(f"expected {count} file descriptors over the socket, got {len(fds)}")
+    return list(fds)
+
+
+__all__ = ["CudaCompositeViews", "MAPPINGS", "Vmm", "choose_mapping", "imex_channel_present", "recv_fds", "send_fds"]
