@@ -127,6 +127,15 @@ class _HostTicket(Ticket):
         self.copy_unclaimed(ready)
         return super()._wait_until(ready, timeout, what)
 
+    def _finish_slices(self, slices) -> None:
+        super()._finish_slices(slices)
+        with self._cond:
+            if self._left_total == 0:
+                # Every byte landed: the views of peers' segments are no longer needed. A ticket can
+                # outlive its copy for many forwards (a slot that keeps its layer), and its views would
+                # keep a lost peer's segment mapped.
+                self._batches = []
+
 
 class HostTransport(Transport):
     """The `host` backend (see the module docstring). inflight: copier threads; copy_batches: most
