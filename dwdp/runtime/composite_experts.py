@@ -18,6 +18,8 @@ from functools import lru_cache
 
 import torch
 
+from dwdp.observe import phases
+from dwdp.observe.tracing import now_us
 from dwdp.runtime.composite import build_composite_plan
 from dwdp.runtime.experts import dwdp_experts_forward
 from dwdp.runtime.placement import Placement
@@ -69,9 +71,20 @@ def composite_experts_forward(self: torch.nn.Module, hidden_states: torch.Tensor
         return dwdp_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     runtime = self._dwdp_runtime
     prefetcher = runtime.prefetcher
-    slot = prefetcher.begin(runtime.layer, top_k_index)
+    recorder, nvtx = prefetcher.recorder, prefetcher.nvtx
+    start = now_us() if recorder is not None else 0.0
+    if nvtx is not None:
+        nvtx.push(phases.MOE_COMPUTE, runtime.layer)
     try:
-        prefetcher.wait(runtime.layer, slot)
-        return own(self, hidden_states, top_k_index, top_k_weights)
+        slot = prefetcher.begin(runtime.layer, top_k_index)
+        try:
+            prefetcher.wait(runtime.layer, slot)
+            out = own(self, hidden_states, top_k_index, top_k_weights)  # [T, H]
+        finally:
+            prefetcher.release(slot)
     finally:
-        prefetcher.release(slot)
+        if nvtx is not None:
+            nvtx.pop()
+    if recorder is not None:
+        recorder.complete(phases.MOE_COMPUTE, start, now_us(), layer=runtime.layer, iteration=recorder.iteration)
+    return out

@@ -305,7 +305,8 @@ class DWDPModel(ModelWrapper):
         self.recorder = None
         trace = trace or envs.trace_dir()
         if trace:
-            plan_bytes = {layer: plans.get(layer, 0).nbytes for layer in range(len(layers))}
+            plan_bytes = {layer: plans.get(layer, self.prefetcher.slot_of_visit(layer, layer)).nbytes
+                          for layer in range(len(layers))}
             self.recorder = TraceRecorder(trace, group.rank, group.size, len(layers), plan_bytes)
             self.prefetcher.recorder = transport.recorder = self.recorder
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self.recorder.begin_forward()))
