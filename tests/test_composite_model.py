@@ -168,3 +168,22 @@ def test_auto_falls_back_to_the_tables_path_with_one_log_line(monkeypatch, caplo
     assert len(lines) == 1 and "no MAP_FIXED here (test)" in lines[0], lines
     with pytest.raises(ValueError, match="experts_kernel='composite' cannot run here: no MAP_FIXED"):
         DWDPModel(build_tiny_model("mixtral", seed=1), DWDPConfig(experts_kernel="composite"), DWDPGroup(0, 1))
+
+
+@pytest.mark.timeout(200)
+def test_experts_paths_bench_writes_its_table_and_json(tmp_path, capsys):
+    """`dwdp bench compare --experts-paths` end to end at one size: every path checked against replicated
+    inside the bench, no copy while timing, ratios that follow from the seconds in the JSON."""
+    import json
+
+    from dwdp.cli import main
+
+    code = main(["bench", "compare", "--experts-paths", "--experts-tokens", "8", "--experts-rounds", "1",
+                 "--experts-repeats", "1", "--out-dir", str(tmp_path)])
+    assert code == 0
+    report = json.loads((tmp_path / "experts_paths_cpu.json").read_text())
+    (row,) = report["rows"]
+    for path, seconds in row["seconds"].items():
+        assert seconds > 0 and row["of_replicated"][path] == pytest.approx(row["seconds"]["replicated"] / seconds)
+    assert report["plans_while_timed"] == {p: 0 for p in row["seconds"]}, report["plans_while_timed"]
+    assert "composite/repl" in capsys.readouterr().out

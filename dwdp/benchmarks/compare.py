@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="tokens per forward for --experts-paths (default 8 512)")
     p.add_argument("--experts-rounds", type=int, default=5, help="interleaved rounds for --experts-paths (default 5)")
     p.add_argument("--experts-repeats", type=int, default=5, help="timed forwards per round (default 5)")
+    p.add_argument("--experts-slots", type=int, default=None,
+                   help="prefetch slots for --experts-paths (default: one per MoE layer, no copies while timing; "
+                        "2: every layer refilled, so the tables path's local-first compute can overlap the copies)")
     return p
 
 
