@@ -233,6 +233,11 @@ class FakeCudaApi:
         self._call("memcpy_prepared_batch", batch, stream)
         self._enqueue(stream, "copy", *zip(batch.dsts, batch.srcs, batch.sizes))
 
+    def tensor_at(self, ptr: int, nbytes: int, device) -> torch.Tensor:
+        """uint8 [nbytes] over host memory at `ptr` (the fake's device memory is host memory)."""
+        self._call("tensor_at", ptr, nbytes, device)
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
     # -- peer memory --------------------------------------------------------------------------
     def ipc_export(self, ptr: int) -> tuple[bytes, int]:
         self._call("ipc_export", ptr)

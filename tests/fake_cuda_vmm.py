@@ -10,6 +10,10 @@ cuMemSetAccess per range). Handle exports are refused per type with `refuse_expo
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+
 import torch
 from cuda.bindings import driver as real
 
@@ -87,7 +91,6 @@ class FakeDriver:
         if handleType == real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC:
             shareable = real.CUmemFabricHandle()
             return (_OK, shareable)
-        import os
         return (_OK, os.memfd_create(f"fake-cumem-{handle}"))  # a real fd: the caller must close it
 
     def cuMemImportFromShareableHandle(self, osHandle, shHandleType):
@@ -176,3 +179,98 @@ class FakeDriver:
             n = min(data.numel() - at, self.granularity - (ptr + at) % self.granularity)
             self._resolve(ptr + at, n).copy_(data[at:at + n])
             at += n
+
+
+class HostBackedDriver(FakeDriver):
+    """FakeDriver whose device memory is host memory at the addresses it hands out, so the recording
+    runtime fake (tests/fake_cuda.py, which copies with memmove) and torch tensors can use them:
+    every allocation is a memfd, a reservation is a PROT_NONE range (aligned to the granularity), a
+    cuMemMap is mmap(MAP_SHARED | MAP_FIXED) of the allocation's file, and a POSIX-fd export is a real
+    descriptor of that file, so an importer that receives it (pidfd_getfd, SCM_RIGHTS) maps the same
+    bytes. An import maps the received file itself, so each rank may have a driver of its own (as
+    processes do) and still see its peers' bytes."""
+
+    def __init__(self, granularity: int = GRANULARITY, supported=("posix_fd",)):
+        super().__init__(granularity, supported)
+        self.files: dict[int, int] = {}         # handle -> memfd (imports share their exporter's)
+        self.imports: set[int] = set()          # handles made by cuMemImportFromShareableHandle
+        self._reservations: dict[int, object] = {}  # base -> Reservation
+        self._maps: list = []                   # python mmap objects behind `memory` (kept open)
+
+    def cuMemCreate(self, size, prop, flags):
+        result = super().cuMemCreate(size, prop, flags)
+        if result[0] != _OK:
+            return result
+        handle = result[1]
+        fd = os.memfd_create(f"fake-cumem-{handle}")
+        os.ftruncate(fd, size)
+        view = mmap.mmap(fd, size)
+        self._maps.append(view)
+        self.memory[handle] = torch.frombuffer(view, dtype=torch.uint8)
+        self.files[handle] = fd
+        return result
+
+    def cuMemExportToShareableHandle(self, handle, handleType, flags):
+        if handleType == real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR \
+                and handle in self.files and int(handleType) not in self.refused_exports:
+            self.calls.append(("cuMemExportToShareableHandle", (handle, handleType, flags)))
+            return (_OK, os.dup(self.files[handle]))
+        return super().cuMemExportToShareableHandle(handle, handleType, flags)
+
+    def cuMemImportFromShareableHandle(self, osHandle, shHandleType):
+        self.calls.append(("cuMemImportFromShareableHandle", (osHandle, shHandleType)))
+        if shHandleType != real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
+            return self._refuse(f"the host-backed fake imports POSIX fds only, not {shHandleType!r}")
+        fd = os.dup(osHandle)  # the caller closes its copy after the import, as with a driver
+        view = mmap.mmap(fd, os.fstat(fd).st_size)
+        self._maps.append(view)
+        handle = self._next_handle
+        self._next_handle += 1
+        self.memory[handle], self.files[handle] = torch.frombuffer(view, dtype=torch.uint8), fd
+        self.imports.add(handle)
+        return (_OK, handle)
+
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        from dwdp.runtime.transport.host_composite import Reservation
+
+        self.calls.append(("cuMemAddressReserve", (size, alignment, addr, flags)))
+        g = self.granularity
+        if size <= 0 or size % g or alignment % g:
+            return self._refuse(f"reserve size {size} / alignment {alignment} not multiples of {g}")
+        reservation = Reservation(size + g)  # room to align the base to the granularity
+        base = -(-reservation.addr // g) * g
+        self._reservations[base] = reservation
+        self.reserved[base] = size
+        return (_OK, base)
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        result = super().cuMemMap(ptr, size, offset, handle, flags)
+        if result[0] == _OK:
+            base = next(b for b, n in self.reserved.items() if b <= ptr < b + n)
+            reservation = self._reservations[base]
+            reservation.map_fixed(ptr - reservation.addr, size, self.files[handle], offset)
+        return result
+
+    def cuMemUnmap(self, ptr, size):
+        result = super().cuMemUnmap(ptr, size)
+        if result[0] == _OK:  # back to reserved, inaccessible address space
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                  ctypes.c_long]
+            got = libc.mmap(ptr, size, 0, 0x02 | 0x20 | 0x10 | 0x4000, -1, 0)  # PRIVATE|ANON|FIXED|NORESERVE
+            assert got == ptr, "re-reserving an unmapped range failed"
+        return result
+
+    def cuMemAddressFree(self, ptr, size):
+        result = super().cuMemAddressFree(ptr, size)
+        if result[0] == _OK:
+            self._reservations.pop(ptr)._finalizer()  # munmap the whole reservation now
+        return result
+
+    def cuMemRelease(self, handle):
+        result = super().cuMemRelease(handle)
+        if result[0] == _OK:
+            self.imports.discard(handle)
+            os.close(self.files.pop(handle))  # mappings and other handles keep the file's pages
+        return result

@@ -122,6 +122,18 @@ class CompositeLayout:
     def layer_nbytes(self) -> int:
         return sum(self.view_pages) * self.granularity
 
+    def view_span(self, layer: int, tensor: int, dtype, shape) -> tuple[int, int]:
+        """(byte offset in the whole range of every layer, bytes) of `layer`'s view of `tensor` read as
+        `dtype` [shape] (the stacked tensor's shape, e.g. [E, 2I, H]); a shape of other size is refused."""
+        nbytes = self.placement.num_experts * self.tensor_nbytes[tensor]
+        count = 1
+        for s in shape:
+            count *= s
+        if count * dtype.itemsize != nbytes:
+            raise ValueError(f"shape {tuple(shape)} of {dtype} is {count * dtype.itemsize} bytes; tensor {tensor} "
+                             f"holds {nbytes} ({self.placement.num_experts} experts of {self.tensor_nbytes[tensor]})")
+        return layer * self.layer_nbytes + self.view_start[tensor], nbytes
+
     def slot(self, layer: int) -> int:
         """The pool slot whose pages back `layer`'s remote experts: layers that run one after the
         other use different slots, so a prefetch never overwrites pages a running layer reads."""

@@ -247,6 +247,25 @@ def event_wait(event: int, timeout_s: float) -> float:
 
 
 # -- copies --------------------------------------------------------------------------------------
+class _DeviceBytes:
+    """`nbytes` at device address `ptr`, as torch reads foreign device memory (`__cuda_array_interface__`)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(ptr, False), version=3,
+                                             strides=None)
+
+
+def tensor_at(ptr: int, nbytes: int, device) -> "torch.Tensor":
+    """uint8 [nbytes] over device memory this process mapped itself (cuMemMap): torch does not own it,
+    so it stays valid only until the mapping is unmapped. Not yet run on a GPU."""
+    import torch
+
+    if nbytes < 1:
+        raise ValueError(f"tensor_at(ptr={ptr:#x}, nbytes={nbytes}): nbytes must be >= 1")
+    require()  # without a driver: the one clear error, not torch's "Cannot initialize CUDA"
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+
+
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     rt, _ = _bindings()
     _check("cudaMemcpyAsync", rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream),

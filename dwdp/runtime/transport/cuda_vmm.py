@@ -21,6 +21,7 @@ file does on the host backend.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
 import logging
 import os
@@ -168,9 +169,12 @@ class CudaCompositeViews:
 
     layout: the rank's CompositeLayout, granularity a multiple of the device's.
     segment: the rank's segment allocation handle (cuMemCreate, exportable; peers import it).
+
+    tensor_at: (ptr, nbytes) -> a uint8 tensor over that device memory (cuda_api.tensor_at on a
+    device); needed by `range` / `layer_range` / `view`, not by the mapping itself.
     """
 
-    def __init__(self, layout: CompositeLayout, segment, vmm: Vmm, handle_type: str = "posix_fd"):
+    def __init__(self, layout: CompositeLayout, segment, vmm: Vmm, handle_type: str = "posix_fd", tensor_at=None):
         g = vmm.granularity(handle_type)
         if layout.granularity % g:
             raise ValueError(f"layout granularity {layout.granularity} is not a multiple of the device's {g}")
@@ -178,6 +182,7 @@ class CudaCompositeViews:
         self.total = layout.num_layers * layout.layer_nbytes
         self._mapped: list[_Mapped] = []
         self.base = self._pool = None
+        self._tensor_at, self._range = tensor_at, None
         try:
             # Private: nobody imports the pool, so it asks for no shareable handle type.
             self._pool = vmm.create(max(layout.pool_nbytes, layout.granularity), "none")
@@ -201,17 +206,60 @@ class CudaCompositeViews:
         """`layer`'s range as a `__cuda_array_interface__` object (torch.as_tensor(obj, device="cuda"))."""
         return _CudaArray(self.layer_pointer(layer), self.layout.layer_nbytes)
 
+    @property
+    def range(self):
+        """uint8 [num_layers * layer_nbytes] over the whole reservation (valid until close)."""
+        if self.base is None:
+            raise RuntimeError("the composite views are closed")
+        if self._range is None:
+            if self._tensor_at is None:
+                raise ValueError("CudaCompositeViews was built without tensor_at: it has no tensors")
+            self._range = self._tensor_at(self.base, self.total)
+        return self._range
+
+    def layer_range(self, layer: int):
+        """uint8 [layer_nbytes]: the destination buffer of `layer`'s composite copy plan."""
+        n = self.layout.layer_nbytes
+        return self.range[layer * n:(layer + 1) * n]
+
+    def view(self, layer: int, tensor: int, dtype, shape):
+        """The [E, ...] tensor `tensor` of `layer` (shape: the stacked tensor's, e.g. [E, 2I, H])."""
+        start, nbytes = self.layout.view_span(layer, tensor, dtype, shape)
+        return self.range[start:start + nbytes].view(dtype).view(*shape)
+
     def close(self) -> None:
         """Unmap every piece, free the range, release the pool (the reverse of construction)."""
         for piece in reversed(self._mapped):
             self.vmm.unmap(piece.ptr, piece.nbytes)
-        self._mapped = []
+        self._mapped, self._range = [], None
         if self.base is not None:
             self.vmm.address_free(self.base, self.total)
             self.base = None
         if self._pool is not None:
             self.vmm.release(self._pool)
             self._pool = None
+
+
+# pidfd_getfd(2) (Linux 5.6): the same number on x86_64 and aarch64 (both use the generic table here).
+_SYS_PIDFD_GETFD = 438
+
+
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """A descriptor of this process for descriptor `fd` of process `pid` (on this node): how a rank
+    takes a peer's exported POSIX-fd handle with no socket to set up. The kernel allows it where
+    this process may ptrace `pid` (same user, and Yama's ptrace_scope permitting)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    pidfd = os.pidfd_open(pid)
+    try:
+        got = libc.syscall(ctypes.c_long(_SYS_PIDFD_GETFD), ctypes.c_long(pidfd), ctypes.c_long(fd), ctypes.c_long(0))
+        if got < 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"pidfd_getfd(pid={pid}, fd={fd}) failed: {os.strerror(err)} (it needs ptrace "
+                               "permission over the exporting process: same user, Yama ptrace_scope <= 1)")
+        return int(got)
+    finally:
+        os.close(pidfd)
 
 
 def send_fds(sock: socket.socket, fds: list[int], payload: bytes = b"dwdp") -> None:
@@ -227,4 +275,5 @@ def recv_fds(sock: socket.socket, count: int) -> list[int]:
     return list(fds)
 
 
-__all__ = ["CudaCompositeViews", "MAPPINGS", "Vmm", "choose_mapping", "imex_channel_present", "recv_fds", "send_fds"]
+__all__ = ["CudaCompositeViews", "MAPPINGS", "Vmm", "choose_mapping", "imex_channel_present", "pidfd_getfd", "recv_fds",
+           "send_fds"]

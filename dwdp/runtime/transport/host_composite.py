@@ -131,13 +131,5 @@ class HostCompositeViews:
 
     def view(self, layer: int, tensor: int, dtype: torch.dtype, shape) -> torch.Tensor:
         """The [E, ...] tensor `tensor` of `layer` (shape: the stacked tensor's, e.g. [E, 2I, H])."""
-        lay = self.layout
-        nbytes = lay.placement.num_experts * lay.tensor_nbytes[tensor]
-        count = 1
-        for s in shape:
-            count *= s
-        if count * dtype.itemsize != nbytes:
-            raise ValueError(f"shape {tuple(shape)} of {dtype} is {count * dtype.itemsize} bytes; tensor {tensor} "
-                             f"holds {nbytes} ({lay.placement.num_experts} experts of {lay.tensor_nbytes[tensor]})")
-        start = layer * lay.layer_nbytes + lay.view_start[tensor]
+        start, nbytes = self.layout.view_span(layer, tensor, dtype, shape)
         return self.range[start:start + nbytes].view(dtype).view(*shape)
