@@ -306,3 +306,14 @@ class FakeGroup:
     def close(self):
         for t in self.transports:
             t.close()
+
+
+class EagerFakeCudaApi(FakeCudaApi):
+    """FakeCudaApi whose device runs work as soon as it is enqueued (stream order and waits kept):
+    host code that reads memory right after making its stream wait (a CPU model standing in for the
+    kernels a GPU would run after that wait) sees the copies landed. Used to run a DWDPModel on
+    the cuda backend's control logic on a CPU."""
+
+    def _enqueue(self, stream: int, kind: str, *args) -> None:
+        super()._enqueue(stream, kind, *args)
+        self.device.run()

@@ -104,19 +104,25 @@ def _layer_tables(layer: ExpertsLayer, slots, buffer: torch.Tensor, table_order:
     return tables
 
 
-def composite_unavailable(backend: str) -> str | None:
-    """Why composite views cannot be built on `backend` here, or None when they can."""
+def composite_unavailable(backend: str, mapping: str | None = None) -> str | None:
+    """Why composite views cannot be built on `backend` (cuda: with peer `mapping`) here, or None
+    when they can."""
+    if backend == "cuda":
+        if mapping in ("vmm-posix-fd", "vmm-fabric"):
+            return None
+        return (f"the cuda backend maps peers with {mapping!r}; composite views need cuMem allocations "
+                "(VMM export refused on some rank, or cuda_mapping set to another mapping)")
     if backend != "host":
-        return f"composite views are built on the host backend only; the {backend} backend's are not yet"
+        return f"composite views are built on the host and cuda backends only, not {backend!r}"
     return composite_unsupported_reason()
 
 
-def _choose_composite(requested: str, backend: str, rank: int) -> bool:
+def _choose_composite(requested: str, backend: str, rank: int, mapping: str | None = None) -> bool:
     """Whether this rank runs in composite mode: always for "composite" (an error where it cannot),
     under "auto" where the backend builds composite views (one log line when it falls back)."""
     if requested not in ("auto", "composite"):
         return False
-    reason = composite_unavailable(backend)
+    reason = composite_unavailable(backend, mapping)
     if reason is None:
         return True
     if requested == "composite":
@@ -132,12 +138,32 @@ def _composite_tables(layer: ExpertsLayer, table_order: list[int]) -> LayerTable
     return {t.name: [t.stacked(layer.module, E)[e] for e in table_order] for t in layer.spec.tensors}
 
 
-def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
-    """CUDA IPC when every rank of the group is on this host, symmetric memory otherwise."""
-    if requested != "auto":
+def _cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, device: torch.device) -> str:
+    """How the cuda backend maps peers' segments (not yet run on a GPU for the VMM mappings).
+
+    "auto" or "vmm" with a composite-capable experts_kernel ("auto", "composite"): each rank probes
+    what its device exports (cuda_vmm.choose_mapping: fabric with an IMEX channel, else POSIX fd,
+    else CUDA IPC, one log line) and one all-gather settles the group on what every rank can do:
+    fabric handles when all ranks have them (one node or several NVL72 trays), POSIX fds when all
+    ranks export and share this host, else CUDA IPC on one host and symmetric memory across hosts.
+    """
+    if requested not in ("auto", "vmm"):
         return requested
-    hosts = group.all_gather_object(socket.gethostname())
-    return "ipc" if len(set(hosts)) == 1 else "symmetric_memory"
+    local = "ipc"
+    if experts_kernel in ("auto", "composite"):
+        from dwdp.runtime.transport import cuda as cuda_transport
+
+        local = cuda_transport.local_vmm_mapping(group.rank, device)
+    answers = group.all_gather_object((socket.gethostname(), local))
+    hosts, choices = {h for h, _ in answers}, {c for _, c in answers}
+    if choices == {"vmm-fabric"}:
+        return "vmm-fabric"
+    if len(hosts) == 1:
+        return "vmm-posix-fd" if "ipc" not in choices else "ipc"
+    if requested == "vmm":
+        raise ValueError(f"cuda_mapping='vmm' across {len(hosts)} hosts needs fabric handles on every rank; "
+                         f"the ranks offer {sorted(choices)}")
+    return "symmetric_memory"
 
 
 class DWDPModel(ModelWrapper):
@@ -197,23 +223,26 @@ class DWDPModel(ModelWrapper):
         self.experts_layers = layers
         self.experts_modules = [layer.module for layer in layers]
         self.expert_biases = _bias_report(first.spec)
-        use_composite = _choose_composite(config.experts_kernel, backend, group.rank)
+        mapping = _cuda_mapping(config.cuda_mapping, config.experts_kernel, group, device) \
+            if backend == "cuda" else None
+        use_composite = _choose_composite(config.experts_kernel, backend, group.rank, mapping)
         self.views = layouts = None
-        if use_composite:
-            # Natural sizes, no padding: each view is the unwrapped model's contiguous [E, ...] tensor.
-            layouts = composite_layouts(placement, len(layers), tuple(t.nbytes for t in moving), page_size(),
-                                        config.num_buffers)
 
         tensor_nbytes = tuple(t.stride_bytes for t in moving)  # one expert's block of each moving tensor
         segment_layout = SegmentLayout(len(layers), placement.num_local_experts, tensor_nbytes)
         slots = slot_layout(placement, group.rank, tensor_nbytes)
         full_bytes = len(layers) * num_experts * sum(t.nbytes for t in first.spec.tensors)
 
-        mapping = _cuda_mapping(config.cuda_mapping, group) if backend == "cuda" else "ipc"
-        transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
+        transport = make_transport(backend, group.rank, config, device=device, mapping=mapping or "ipc",
                                    process_group=group.process_group)
         self.transport = transport
         self._finalizer = weakref.finalize(self, transport.close)
+        if use_composite:
+            # Natural sizes, no padding: each view is the unwrapped model's contiguous [E, ...] tensor.
+            # Pages: the host's, or the device's cuMem granularity (peers check theirs match at open).
+            granularity = page_size() if backend == "host" else transport.granularity()
+            layouts = composite_layouts(placement, len(layers), tuple(t.nbytes for t in moving), granularity,
+                                        config.num_buffers)
         record = liveness = None
         try:
             local_ids = torch.tensor(placement.local_experts(group.rank))
@@ -221,11 +250,14 @@ class DWDPModel(ModelWrapper):
             if use_composite:
                 layout = layouts[group.rank]
                 segment = transport.alloc_segment(layout.segment_nbytes)
-                fd = transport.segment_fd()
-                try:
-                    self.views = HostCompositeViews(layout, fd)
-                finally:
-                    os.close(fd)
+                if backend == "cuda":
+                    self.views = transport.composite_views(layout)  # closed with the transport
+                else:
+                    fd = transport.segment_fd()
+                    try:
+                        self.views = HostCompositeViews(layout, fd)
+                    finally:
+                        os.close(fd)
                 for index, layer in enumerate(layers):
                     self._fill_composite(index, layer, segment, layout, self.views, local_ids, source)
             else:
@@ -249,7 +281,8 @@ class DWDPModel(ModelWrapper):
         if use_composite:
             # The copies write into each layer's views; the slot only tells which pool pages they use.
             views = self.views
-            slot_buffers = [torch.empty(0, dtype=torch.uint8) for _ in range(config.num_buffers)]
+            # Empty: only their device matters (the routing's position table goes there).
+            slot_buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(config.num_buffers)]
             plans = CompositePlanCache(layouts, group.rank, config.slice_bytes_for(backend))
             prefetch_kwargs = dict(slot_of_layer=layouts[group.rank].slot,
                                    buffer_of=lambda layer, slot: views.layer_range(layer))
@@ -325,14 +358,20 @@ class DWDPModel(ModelWrapper):
             prefetch_buffer_bytes=buffer_bytes,
             dense_bytes=dense_bytes(model, local_tensors),
         )
-        mapping_line = (f"composite views ({backend}: /dev/shm segment + memfd pool, mmap MAP_FIXED, "
-                        f"{page_size()} B pages)" if use_composite else f"{self.experts_kernel} kernel")
+        if not use_composite:
+            mapping_line = f"{self.experts_kernel} kernel"
+        elif backend == "cuda":
+            mapping_line = (f"composite views (cuda: cuMemCreate segment + pool, peers through {mapping}, "
+                            f"{layouts[group.rank].granularity} B granules)")
+        else:
+            mapping_line = (f"composite views ({backend}: /dev/shm segment + memfd pool, mmap MAP_FIXED, "
+                            f"{page_size()} B pages)")
         log.info("rank %d/%d: %s backend, %s, biases %s, %s", group.rank, group.size, backend,
                  mapping_line, self.expert_biases, self.memory)
 
     @staticmethod
     def _fill_composite(index: int, layer: ExpertsLayer, segment: torch.Tensor, layout: CompositeLayout,
-                        views: HostCompositeViews, local_ids: torch.Tensor, source: ExpertSource) -> None:
+                        views, local_ids: torch.Tensor, source: ExpertSource) -> None:
         """Copy this rank's experts of `layer` into its segment at their composite offsets and point the
         module at the layer's [E, ...] views (local experts in place, the rest filled by the prefetch)."""
         spec = layer.spec

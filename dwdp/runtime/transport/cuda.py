@@ -46,7 +46,7 @@ import torch
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
-from dwdp.runtime.transport.cuda_vmm import CudaCompositeViews, Vmm, pidfd_getfd
+from dwdp.runtime.transport.cuda_vmm import CudaCompositeViews, Vmm, choose_mapping, pidfd_getfd
 
 log = logging.getLogger("dwdp")
 
@@ -344,7 +344,7 @@ class CudaTransport(Transport):
         elif self.mapping == "process":
             handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
         elif self._vmm is not None:
-            handle["alloc_nbytes"] = self._own_range.nbytes
+            handle["alloc_nbytes"], handle["granularity"] = self._own_range.nbytes, self.granularity()
             shareable = self._vmm.export(self._own_range.handle, self._handle_type)
             if self._handle_type == "posix_fd":
                 # The fd stays open until seal: peers take their own copy of it with pidfd_getfd.
@@ -404,6 +404,10 @@ class CudaTransport(Transport):
                 ptrs.append(self._own_range.ptr)  # this rank's own mapping: nothing to import
                 continue
             nbytes = int(handle["alloc_nbytes"])
+            if int(handle["granularity"]) != self.granularity():
+                # Every rank computed every layout with its own granularity: they must agree.
+                raise ValueError(f"rank {self.rank}: peer {r}'s cuMem granularity is {handle['granularity']}, this "
+                                 f"rank's {self.granularity()}; composite layouts need one granularity")
             try:
                 if self._handle_type == "posix_fd":
                     fd = pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
@@ -683,6 +687,13 @@ class CudaTransport(Transport):
             self._own_range = None
         except cuda_api.CudaError as exc:
             log.error("rank %d: releasing the composite views or the segment failed: %s", self.rank, exc)
+
+
+def local_vmm_mapping(rank: int, device, driver=None) -> str:
+    """What this rank's device can export: "vmm-fabric", "vmm-posix-fd" or "ipc" (one log line,
+    dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it."""
+    device = torch.device(device)
+    return choose_mapping(Vmm(device.index or 0, driver), rank)
 
 
 def _symmetric_memory_module():
