@@ -238,3 +238,39 @@ def test_composite_views_need_a_vmm_mapping():
     t.close()
     with pytest.raises(ValueError, match="mapping='nvlink' must be"):
         CudaTransport(0, "cpu", mapping="nvlink", api=FakeCudaApi(device, 0))
+
+
+FAKED = ["cuMemCreate", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle", "cuMemAddressReserve",
+         "cuMemMap", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"]
+
+
+@pytest.mark.parametrize("name", FAKED)
+def test_host_backed_fake_keeps_the_real_signatures(name):
+    import inspect
+
+    want = list(inspect.signature(getattr(real, name)).parameters)
+    got = list(inspect.signature(getattr(HostBackedDriver, name)).parameters)[1:]  # less self
+    assert got == want, f"{name}: fake takes {got}, the bindings take {want}"
+
+
+@pytest.mark.no_cuda_driver
+def test_every_driver_call_of_the_lifecycle_gets_the_no_driver_error_from_the_real_bindings():
+    """The real bindings check argument types before they load libcuda (a wrong type is a TypeError
+    here, V): every call the transport made, replayed with its arguments, must reach the driver load."""
+    from dwdp.runtime.transport.cuda_api import NoCudaDriverError, _check_driver
+
+    group = VmmGroup("page").open()
+    group.prefetch(0, 0)
+    group.transports[0].forget_peer(2)
+    group.close()
+    calls = [call for driver in group.drivers for call in driver.calls]
+    names = {name for name, _ in calls}
+    assert set(FAKED) | {"cuMemGetAllocationGranularity", "cuMemSetAccess"} <= names, sorted(names)
+    for name, args in calls:
+        if name == "cuMemImportFromShareableHandle":
+            args = (3, args[1])  # the fd it was given is closed by now; any int is one to the bindings
+        with pytest.raises(NoCudaDriverError):
+            _check_driver(name, getattr(real, name), *args)
+    fabric = real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC  # the fabric import takes the 64 bytes
+    with pytest.raises(NoCudaDriverError):
+        _check_driver("cuMemImportFromShareableHandle", real.cuMemImportFromShareableHandle, bytes(64), fabric)
