@@ -1,5 +1,6 @@
 """The experts path in composite mode: each experts module's stacked tensors are its layer's composite
-views (dwdp.runtime.composite, host backend: dwdp.runtime.transport.host_composite), so the model's own
+views (dwdp.runtime.composite; host backend: dwdp.runtime.transport.host_composite; cuda backend, not yet
+run on a GPU: dwdp.runtime.transport.cuda_vmm through CudaTransport), so the model's own
 experts implementation runs on them unchanged once the layer's copies have landed.
 
 Legend: T = tokens, k = experts per token, H = hidden, E = experts.

@@ -55,7 +55,8 @@ class DWDPConfig:
         weight block of K), "composite" (each layer's experts are one [E, ...] tensor whose local
         experts are this rank's segment pages mapped in place and whose remote ones are pool pages the
         prefetch fills; the model's own experts implementation runs on it: dwdp.runtime.composite_experts),
-        or "auto": composite where the backend builds composite views (host on Linux), else triton for
+        or "auto": composite where the backend builds composite views (host on Linux; cuda where the group
+        settles on a VMM mapping, not yet run on a GPU), else triton for
         CUDA models (triton_fp8 for fp8 experts: the dequantizing path is too slow to be chosen for
         you), reference otherwise; a fallback from composite says why in one log line.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per

@@ -46,7 +46,7 @@ import torch
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
-from dwdp.runtime.transport.cuda_vmm import CudaCompositeViews, Vmm, choose_mapping, pidfd_getfd
+from dwdp.runtime.transport.cuda_vmm import CudaCompositeViews, Vmm, choose_mapping, pidfd_getfd, pidfd_getfd_refused
 
 log = logging.getLogger("dwdp")
 
@@ -691,9 +691,10 @@ class CudaTransport(Transport):
 
 def local_vmm_mapping(rank: int, device, driver=None) -> str:
     """What this rank's device can export: "vmm-fabric", "vmm-posix-fd" or "ipc" (one log line,
-    dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it."""
+    dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it.
+    Not yet run on a GPU."""
     device = torch.device(device)
-    return choose_mapping(Vmm(device.index or 0, driver), rank)
+    return choose_mapping(Vmm(device.index or 0, driver), rank, posix_fd_blocked=pidfd_getfd_refused())
 
 
 def _symmetric_memory_module():

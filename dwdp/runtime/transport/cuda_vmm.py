@@ -11,10 +11,13 @@ What it does, on `cuda.bindings.driver` (or a recording fake with the same funct
   cuMemMap (local extents from the rank's exportable segment allocation, the rest from a private pool
   allocation), ONE cuMemSetAccess per layer range, tensors through `__cuda_array_interface__`, and the
   reverse (unmap, free the range, release the pool) on close.
-- `send_fds` / `recv_fds`: passing exported POSIX fds to peers over a Unix socket (SCM_RIGHTS).
+- `pidfd_getfd`: a peer's exported POSIX fd taken from its process by pid and fd number (what the
+  cuda transport uses: the numbers travel in the setup's one all-gather).
+- `send_fds` / `recv_fds`: passing exported POSIX fds to peers over a Unix socket (SCM_RIGHTS); not
+  used by the transport (no socket rendezvous is set up).
 
-Not built: the cuda transport does not use these yet (its segments are still cudaMalloc + CUDA IPC,
-so `experts_kernel="auto"` on CUDA falls back to the multi-buffer path, saying so in one log line).
+Used by dwdp.runtime.transport.cuda with mapping "vmm-posix-fd" / "vmm-fabric" (segment, imports and
+views); DWDPModel picks those where every rank's device exports cuMem handles.
 A dead exporter's memory: an imported VMM allocation keeps its physical pages alive until every
 importer releases its handle (GPU_NOTES.md 6/7: still to be confirmed on a GPU), as a mapped /dev/shm
 file does on the host backend.
@@ -117,15 +120,30 @@ def imex_channel_present(pattern: str = IMEX_CHANNELS) -> bool:
     return bool(glob.glob(pattern))
 
 
-def choose_mapping(vmm: Vmm, rank: int, imex: bool | None = None) -> str:
+def pidfd_getfd_refused(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> str | None:
+    """Why pidfd_getfd between two ranks (sibling processes) would be refused here, or None: Yama's
+    ptrace_scope >= 1 lets a process take fds only from its descendants, and DWDP ranks are siblings."""
+    try:
+        with open(path) as f:
+            scope = int(f.read().strip())
+    except (OSError, ValueError):
+        return None  # no Yama: same-user ptrace rules only
+    return None if scope == 0 else f"Yama ptrace_scope={scope} refuses pidfd_getfd between sibling ranks"
+
+
+def choose_mapping(vmm: Vmm, rank: int, imex: bool | None = None, posix_fd_blocked: str | None = None) -> str:
     """"vmm-fabric", "vmm-posix-fd" or "ipc" for this rank, trying an export of one granule (a device
     may list a handle type and still refuse to export it, e.g. fabric outside an IMEX domain);
-    one log line names the choice and why."""
+    posix_fd_blocked: why POSIX fds could not reach peers here (pidfd_getfd_refused), None when they can.
+    One log line names the choice and why."""
     imex = imex_channel_present() if imex is None else imex
     refused = []
     for kind, mapping in (("fabric", "vmm-fabric"), ("posix_fd", "vmm-posix-fd")):
         if kind == "fabric" and not imex:
             refused.append("fabric: no IMEX channel")
+            continue
+        if kind == "posix_fd" and posix_fd_blocked:
+            refused.append(f"posix_fd: {posix_fd_blocked}")
             continue
         if not vmm.supports(kind):
             refused.append(f"{kind}: not supported by device {vmm.device}")
@@ -275,5 +293,6 @@ def recv_fds(sock: socket.socket, count: int) -> list[int]:
     return list(fds)
 
 
-__all__ = ["CudaCompositeViews", "MAPPINGS", "Vmm", "choose_mapping", "imex_channel_present", "pidfd_getfd", "recv_fds",
+__all__ = ["CudaCompositeViews", "MAPPINGS", "Vmm", "choose_mapping", "imex_channel_present", "pidfd_getfd",
+           "pidfd_getfd_refused", "recv_fds",
            "send_fds"]
