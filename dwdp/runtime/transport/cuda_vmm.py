@@ -265,7 +265,7 @@ _SYS_PIDFD_GETFD = 438
 def pidfd_getfd(pid: int, fd: int) -> int:
     """A descriptor of this process for descriptor `fd` of process `pid` (on this node): how a rank
     takes a peer's exported POSIX-fd handle with no socket to set up. The kernel allows it where
-    this process may ptrace `pid` (same user, and Yama's ptrace_scope permitting)."""
+    this process may ptrace `pid` (same user, and Yama's ptrace_scope permitting: pidfd_getfd_refused)."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.syscall.restype = ctypes.c_long
     pidfd = os.pidfd_open(pid)
@@ -274,7 +274,7 @@ def pidfd_getfd(pid: int, fd: int) -> int:
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"pidfd_getfd(pid={pid}, fd={fd}) failed: {os.strerror(err)} (it needs ptrace "
-                               "permission over the exporting process: same user, Yama ptrace_scope <= 1)")
+                               "permission over the exporting process: same user, Yama ptrace_scope 0)")
         return int(got)
     finally:
         os.close(pidfd)
