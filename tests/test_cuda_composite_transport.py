@@ -191,6 +191,36 @@ def test_seal_closes_the_exported_fds_and_close_releases_everything_in_reverse()
     assert _open_fds() <= before, "file descriptors leaked"
 
 
+def test_where_yama_refuses_pidfd_getfd_the_fds_go_over_a_socket_until_seal(monkeypatch):
+    import threading
+
+    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport.cuda_vmm import fetch_fd
+
+    def refused(pid, fd):
+        raise AssertionError("pidfd_getfd used although Yama refuses it")
+
+    monkeypatch.setattr(cuda_transport, "pidfd_getfd_refused", lambda: "Yama ptrace_scope=1 (test)")
+    monkeypatch.setattr(cuda_transport, "pidfd_getfd", refused)
+    before, threads = _open_fds(), threading.active_count()
+    group = VmmGroup("2MiB")
+    names = [h["socket"] for h in group.handles]
+    assert all(name.startswith(f"dwdp-vmm-{os.getpid()}-") for name in names) and len(set(names)) == group.G
+    group.open()
+    for r in range(group.G):
+        group.prefetch(r, 1)
+        for k in range(len(group.nbytes)):
+            assert torch.equal(group.view_bytes(r, 1, k), group.stacked[1][k]), (r, k)
+    for name in names:  # sealed: nobody serves the fd any more
+        with pytest.raises(OSError):
+            fetch_fd(name, timeout_s=1.0)
+    assert threading.active_count() == threads, "a server thread outlived seal"
+    group.close()
+    del group
+    gc.collect()
+    assert _open_fds() <= before, "file descriptors leaked"
+
+
 def test_a_peer_whose_fd_cannot_be_taken_is_named_and_nothing_leaks():
     before = _open_fds()
     group = VmmGroup("page")

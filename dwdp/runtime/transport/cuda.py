@@ -23,7 +23,9 @@ control logic with a recording fake on a CPU.
 VMM mappings ("vmm-posix-fd", "vmm-fabric"; not yet run on a GPU): the segment is a cuMemCreate
 allocation (exportable as a POSIX fd or a fabric handle) mapped into a range of its own with one
 cuMemSetAccess; `register` exports it (POSIX fd: the exporter's pid and fd number travel in the handle,
-and each peer takes the fd with pidfd_getfd, so the setup's one all-gather is the only exchange;
+and each peer takes the fd with pidfd_getfd, so the setup's one all-gather is the only exchange; where
+Yama refuses pidfd_getfd between sibling processes, the exporter serves the fd on an abstract Unix
+socket (SCM_RIGHTS, same user only) until seal and the handle names the socket;
 fabric: the 64 handle bytes travel in it), `open` imports each peer's allocation and maps it the same
 way, `composite_views` builds the rank's composite views (dwdp.runtime.transport.cuda_vmm) over the
 segment, and copy plans write into the views' pool pages and boundary pages. `seal` closes the
@@ -46,7 +48,8 @@ import torch
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
-from dwdp.runtime.transport.cuda_vmm import CudaCompositeViews, Vmm, choose_mapping, pidfd_getfd, pidfd_getfd_refused
+from dwdp.runtime.transport.cuda_vmm import (CudaCompositeViews, FdServer, Vmm, choose_mapping, fetch_fd, pidfd_getfd,
+                                              pidfd_getfd_refused)
 
 log = logging.getLogger("dwdp")
 
@@ -257,6 +260,7 @@ class CudaTransport(Transport):
         self._own_range: _VmmRange | None = None     # the segment's allocation, mapped for this rank
         self._peer_ranges: dict[int, _VmmRange] = {}  # peer -> its imported allocation, mapped
         self._exported_fd: int | None = None          # the segment's POSIX fd, open until seal
+        self._fd_server: FdServer | None = None       # serves it over SCM_RIGHTS where pidfd_getfd is refused
         self.views: CudaCompositeViews | None = None
         self._granularity: int | None = None
         self._closed = False
@@ -347,9 +351,14 @@ class CudaTransport(Transport):
             handle["alloc_nbytes"], handle["granularity"] = self._own_range.nbytes, self.granularity()
             shareable = self._vmm.export(self._own_range.handle, self._handle_type)
             if self._handle_type == "posix_fd":
-                # The fd stays open until seal: peers take their own copy of it with pidfd_getfd.
+                # The fd stays open until seal: peers take their own copy of it with pidfd_getfd, or,
+                # where Yama refuses that between sibling processes, from a socket served until seal.
                 self._exported_fd = shareable
                 handle["pid"], handle["fd"] = os.getpid(), shareable
+                if pidfd_getfd_refused() is not None:
+                    name = f"dwdp-vmm-{os.getpid()}-{self.rank}-{shareable}"
+                    self._fd_server = FdServer(shareable, name)
+                    handle["socket"] = name
             else:
                 handle["fabric"] = shareable  # 64 bytes, valid across the NVLink domain (IMEX)
         return handle
@@ -410,7 +419,8 @@ class CudaTransport(Transport):
                                  f"rank's {self.granularity()}; composite layouts need one granularity")
             try:
                 if self._handle_type == "posix_fd":
-                    fd = pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
+                    fd = fetch_fd(handle["socket"]) if "socket" in handle else \
+                        pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
                     try:
                         imported = self._vmm.import_(fd, "posix_fd")
                     finally:
@@ -452,6 +462,9 @@ class CudaTransport(Transport):
     def seal(self) -> None:
         """Close the exported POSIX fd (every peer took its own copy before the setup barrier); nothing
         else to unlink: an IPC export is not a name in a file system."""
+        if self._fd_server is not None:
+            self._fd_server.close()
+            self._fd_server = None
         if self._exported_fd is not None:
             os.close(self._exported_fd)
             self._exported_fd = None
@@ -673,8 +686,7 @@ class CudaTransport(Transport):
         self._stream = None
         self._peer_ptrs, self._segment, self._symmetric = [], None, None
         if self._exported_fd is not None:  # closed without seal (a failed setup)
-            os.close(self._exported_fd)
-            self._exported_fd = None
+            self.seal()
 
     def _close_own_vmm(self) -> None:
         """The views, then the segment's own mapping and allocation (the reverse of setup)."""
@@ -694,7 +706,8 @@ def local_vmm_mapping(rank: int, device, driver=None) -> str:
     dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it.
     Not yet run on a GPU."""
     device = torch.device(device)
-    return choose_mapping(Vmm(device.index or 0, driver), rank, posix_fd_blocked=pidfd_getfd_refused())
+    # POSIX fds reach peers either way: pidfd_getfd, or an SCM_RIGHTS socket where Yama refuses it.
+    return choose_mapping(Vmm(device.index or 0, driver), rank)
 
 
 def _symmetric_memory_module():

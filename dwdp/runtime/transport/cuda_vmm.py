@@ -13,8 +13,9 @@ What it does, on `cuda.bindings.driver` (or a recording fake with the same funct
   reverse (unmap, free the range, release the pool) on close.
 - `pidfd_getfd`: a peer's exported POSIX fd taken from its process by pid and fd number (what the
   cuda transport uses: the numbers travel in the setup's one all-gather).
-- `send_fds` / `recv_fds`: passing exported POSIX fds to peers over a Unix socket (SCM_RIGHTS); not
-  used by the transport (no socket rendezvous is set up).
+- `FdServer` / `fetch_fd`: the same over an abstract Unix socket (SCM_RIGHTS, `send_fds` /
+  `recv_fds`), where Yama refuses pidfd_getfd between sibling ranks; the socket's name travels in
+  the all-gather instead of the fd number.
 
 Used by dwdp.runtime.transport.cuda with mapping "vmm-posix-fd" / "vmm-fabric" (segment, imports and
 views); DWDPModel picks those where every rank's device exports cuMem handles.
@@ -29,6 +30,8 @@ import glob
 import logging
 import os
 import socket
+import struct
+import threading
 from dataclasses import dataclass
 
 from dwdp.runtime.composite import SEGMENT, CompositeLayout
@@ -122,7 +125,8 @@ def imex_channel_present(pattern: str = IMEX_CHANNELS) -> bool:
 
 def pidfd_getfd_refused(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> str | None:
     """Why pidfd_getfd between two ranks (sibling processes) would be refused here, or None: Yama's
-    ptrace_scope >= 1 lets a process take fds only from its descendants, and DWDP ranks are siblings."""
+    ptrace_scope >= 1 lets a process take fds only from its descendants, and DWDP ranks are siblings
+    (the cuda transport then serves the fd over a socket: FdServer)."""
     try:
         with open(path) as f:
             scope = int(f.read().strip())
@@ -131,19 +135,15 @@ def pidfd_getfd_refused(path: str = "/proc/sys/kernel/yama/ptrace_scope") -> str
     return None if scope == 0 else f"Yama ptrace_scope={scope} refuses pidfd_getfd between sibling ranks"
 
 
-def choose_mapping(vmm: Vmm, rank: int, imex: bool | None = None, posix_fd_blocked: str | None = None) -> str:
+def choose_mapping(vmm: Vmm, rank: int, imex: bool | None = None) -> str:
     """"vmm-fabric", "vmm-posix-fd" or "ipc" for this rank, trying an export of one granule (a device
     may list a handle type and still refuse to export it, e.g. fabric outside an IMEX domain);
-    posix_fd_blocked: why POSIX fds could not reach peers here (pidfd_getfd_refused), None when they can.
     One log line names the choice and why."""
     imex = imex_channel_present() if imex is None else imex
     refused = []
     for kind, mapping in (("fabric", "vmm-fabric"), ("posix_fd", "vmm-posix-fd")):
         if kind == "fabric" and not imex:
             refused.append("fabric: no IMEX channel")
-            continue
-        if kind == "posix_fd" and posix_fd_blocked:
-            refused.append(f"posix_fd: {posix_fd_blocked}")
             continue
         if not vmm.supports(kind):
             refused.append(f"{kind}: not supported by device {vmm.device}")
@@ -280,6 +280,59 @@ def pidfd_getfd(pid: int, fd: int) -> int:
         os.close(pidfd)
 
 
+class FdServer:
+    """Hands descriptor `fd` to every process of this user that connects to the abstract Unix socket
+    `name` (SCM_RIGHTS), until `close`: how ranks pass a POSIX-fd handle where pidfd_getfd is refused
+    (Yama). Abstract names live in the network namespace, so peers must share this node's."""
+
+    def __init__(self, fd: int, name: str):
+        self.fd, self.name = fd, name
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            self._sock.bind("\0" + name)
+            self._sock.listen(64)
+        except OSError:
+            self._sock.close()
+            raise
+        self._thread = threading.Thread(target=self._serve, name=f"dwdp-fd-{name}", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        creds = struct.calcsize("3i")
+        while True:
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            with conn:
+                _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, creds))
+                if uid != os.getuid():
+                    log.warning("fd server %s: refused a connection from uid %d", self.name, uid)
+                    continue
+                try:
+                    send_fds(conn, [self.fd])
+                except OSError as exc:  # the peer went away: others may still come
+                    log.warning("fd server %s: sending the fd failed: %s", self.name, exc)
+
+    def close(self) -> None:
+        """Stop serving (shutdown wakes the blocked accept) and wait for the thread."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=10.0)
+
+
+def fetch_fd(name: str, timeout_s: float = 30.0) -> int:
+    """The descriptor an FdServer named `name` serves: a new fd of this process."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect("\0" + name)
+        (fd,) = recv_fds(sock, 1)
+        return fd
+
+
 def send_fds(sock: socket.socket, fds: list[int], payload: bytes = b"dwdp") -> None:
     """Pass `fds` to the process at the other end of Unix socket `sock` (SCM_RIGHTS)."""
     socket.send_fds(sock, [payload], fds)
@@ -293,6 +346,6 @@ def recv_fds(sock: socket.socket, count: int) -> list[int]:
     return list(fds)
 
 
-__all__ = ["CudaCompositeViews", "MAPPINGS", "Vmm", "choose_mapping", "imex_channel_present", "pidfd_getfd",
+__all__ = ["CudaCompositeViews", "FdServer", "MAPPINGS", "fetch_fd", "Vmm", "choose_mapping", "imex_channel_present", "pidfd_getfd",
            "pidfd_getfd_refused", "recv_fds",
            "send_fds"]
