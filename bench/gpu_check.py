@@ -33,6 +33,9 @@ needed, over a gloo group):
   h  `dwdp serve --device cuda`, two workers: time to ready, TTFT p50/p99 and tokens/s under an
      open-loop load through the openai client, worst of the first 50 forwards after ready against
      their median (needs the serve extras: bench/gpu_wheels.sh fetches them for a machine without network)
+  i  composite views (not yet run on a GPU): two ranks map each other's experts with cuMem and POSIX fds
+     passed over a Unix socket, views compared bit-exactly with the seeded experts, torch._grouped_mm on the
+     composite view against the same call on a contiguous clone (target >= 0.98) and our multi-buffer kernel
 One GPU measures copies inside one device's memory, not NVLink: NVLink stays unmeasured here.
 
 A section whose optional packages (its module's REQUIRES) are missing is skipped, saying which and how to
@@ -52,12 +55,12 @@ from pathlib import Path
 
 import torch
 
-from gpu_checks import a_copy, b_ipc, c_overlap, d_model, e_kernel, f_war, g_fp8, h_serve
+from gpu_checks import a_copy, b_ipc, c_overlap, d_model, e_kernel, f_war, g_fp8, h_serve, i_composite
 from gpu_checks.common import RESULTS, code_version, versions
 
 # Letter -> section module (KEY, run(sections) -> dict, summary(section) -> rows), in run order.
 SECTIONS = {"a": a_copy, "b": b_ipc, "c": c_overlap, "d": d_model, "e": e_kernel, "f": f_war, "g": g_fp8,
-            "h": h_serve}
+            "h": h_serve, "i": i_composite}
 
 
 # How a machine without network gets a section's missing packages (GPU_NOTES: the image installs nothing).

@@ -59,7 +59,10 @@ def main() -> int:
             segments[r] = torch.empty(layout.total_nbytes, dtype=torch.uint8)
             fill(segments[r], layers, layout, torch.tensor(placement.local_experts(r)), load.expert_source)
         owner_of = live_owner_of_each(placement, RANK, LIVE)
-        from_peers = peer_source(layers, placement, layout, owner_of, segments.__getitem__, load.expert_source)
+        def offset_in_peer(peer, layer, expert, tensor):
+            return layout.offset(layer, placement.local_experts(peer).index(expert), tensor)
+
+        from_peers = peer_source(layers, offset_in_peer, owner_of, segments.__getitem__, load.expert_source)
         ids = torch.tensor(placement.local_experts(RANK))
         out = {name: torch.empty(layout.total_nbytes, dtype=torch.uint8) for name in ("checkpoint", "peers")}
         load_before = load_average_1min()

@@ -233,6 +233,11 @@ class FakeCudaApi:
         self._call("memcpy_prepared_batch", batch, stream)
         self._enqueue(stream, "copy", *zip(batch.dsts, batch.srcs, batch.sizes))
 
+    def tensor_at(self, ptr: int, nbytes: int, device) -> torch.Tensor:
+        """uint8 [nbytes] over host memory at `ptr` (the fake's device memory is host memory)."""
+        self._call("tensor_at", ptr, nbytes, device)
+        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
     # -- peer memory --------------------------------------------------------------------------
     def ipc_export(self, ptr: int) -> tuple[bytes, int]:
         self._call("ipc_export", ptr)
@@ -301,3 +306,14 @@ class FakeGroup:
     def close(self):
         for t in self.transports:
             t.close()
+
+
+class EagerFakeCudaApi(FakeCudaApi):
+    """FakeCudaApi whose device runs work as soon as it is enqueued (stream order and waits kept):
+    host code that reads memory right after making its stream wait (a CPU model standing in for the
+    kernels a GPU would run after that wait) sees the copies landed. Used to run a DWDPModel on
+    the cuda backend's control logic on a CPU."""
+
+    def _enqueue(self, stream: int, kind: str, *args) -> None:
+        super()._enqueue(stream, kind, *args)
+        self.device.run()

@@ -67,6 +67,7 @@ DIRECT = {
     "require": (), "probe": (), "error_text": (35,), "error_name_text": (35,), "has_memcpy_batch": (),
     "ipc_export": (1 << 30,), "ipc_open": (bytes(64),), "ipc_close": (1 << 30,), "event_create": (True,),
     "memcpy_batch_async": ([1 << 30, 3 << 30], [2 << 30, 4 << 30], [4096, 100], 0x1234, False),
+    "tensor_at": (1 << 30, 4096, torch.device("cuda", 0)),  # how CudaTransport calls it (VMM mappings)
 }
 
 

@@ -1,4 +1,5 @@
 import json
+import mmap
 import subprocess
 import sys
 
@@ -72,4 +73,9 @@ def test_demo_fp8_matches_and_moves_fp8_bytes(tmp_path):
     assert "fp8 (128 x 128 block scales) experts" in proc.stdout and "2/2 ranks match" in proc.stdout, proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert [r["bytes_prefetched"] for r in rows] == [4 * 8 * DEMO_FP8_EXPERT_BYTES] * 2, rows
-    assert [r["local_expert_bytes"] for r in rows] == [4 * 8 * DEMO_FP8_EXPERT_BYTES] * 2, rows
+    # Composite views (the default): each layer's local experts of a tensor are page-aligned extents, so
+    # each scale tensor's 8 local experts (256 and 128 bytes) take one page.
+    page = mmap.PAGESIZE
+    per_layer = 8 * (512 * 256 + 256 * 256) + 2 * page
+    assert [r["experts_kernel"] for r in rows] == ["composite"] * 2, rows
+    assert [r["local_expert_bytes"] for r in rows] == [4 * per_layer] * 2, rows

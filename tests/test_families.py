@@ -21,6 +21,7 @@ from dwdp.models.families import moe_families
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
 from dwdp.models.tiny import build_tiny_model
+from dwdp.runtime.transport.host_composite import composite_unsupported_reason
 from logits_check import check_logits
 from releases import PINNED_VERSION, absent_here, pinned_families
 
@@ -84,11 +85,12 @@ def _try_family(rank: int, index: int, family: str, group, broken: tuple[str, ..
             got = _forward(wrapped, ids, index)
             again = _forward(wrapped, ids, index)  # second forward: slots reused across forwards
             copied = wrapped.stats.bytes_copied
+            kernel = wrapped.experts_kernel
     except Exception:
         return dict(error=traceback.format_exc(limit=4), coverage=coverage)
     return dict(
         diff=(got - reference).abs().max().item(), diff_again=(again - reference).abs().max().item(),
-        scale=reference.abs().max().item(), bytes_copied=copied, layers=len(wrapped.experts_layers),
+        scale=reference.abs().max().item(), bytes_copied=copied, layers=len(wrapped.experts_layers), kernel=kernel,
         coverage=coverage,
     )
 
@@ -137,6 +139,9 @@ def test_family_wraps_and_matches_unwrapped(sweep, family):
         assert "refused" not in r, f"{family} rank {rank}: refused: {r.get('refused')}"
         check_logits(family, dict(diff=max(r["diff"], r["diff_again"]), scale=r["scale"]), rank)
         assert r["bytes_copied"] > 0, f"{family} rank {rank}: nothing was prefetched ({r})"
+        # The default mode on Linux is composite views (tests/test_composite_model.py runs the other).
+        if composite_unsupported_reason() is None:
+            assert r["kernel"] == "composite", f"{family} rank {rank}: ran {r['kernel']!r}, not composite views"
 
 
 @pytest.mark.timeout(120)

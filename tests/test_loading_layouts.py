@@ -39,7 +39,9 @@ def _rank(rank: int, paths: dict) -> dict:
     out = {}
     for case in CASES:
         family, dtype, biases = case
-        config = DWDPConfig(slice_bytes=2048, expert_biases=biases)
+        # The tables path, explicitly: the kept bytes are then the local experts alone (composite
+        # modules hold [E, ...] views).
+        config = DWDPConfig(slice_bytes=2048, expert_biases=biases, experts_kernel="reference")
         full = AutoModelForCausalLM.from_pretrained(paths[family], dtype=dtype).eval()
         with DWDPModel(full, config, group) as ref, torch.no_grad():
             reference = ref(input_ids=ids).logits

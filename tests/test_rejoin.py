@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dwdp.runtime.config import DWDPConfig
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
+from dwdp.runtime.composite_experts import CompositePlanCache
 from dwdp.runtime.plan import PlanCache
 from dwdp.models.tiny import build_tiny_model
 from logits_check import ATOL, RTOL
@@ -40,7 +41,9 @@ def _inputs(rank: int, step: int) -> dict:
 
 
 def _config() -> DWDPConfig:
-    return DWDPConfig(slice_bytes=2048, expert_replicas=2, peer_timeout_s=0.5, wait_timeout_s=30)
+    # Every process of a run (the replacement too) reads the experts path from the launch's environment.
+    return DWDPConfig(slice_bytes=2048, expert_replicas=2, peer_timeout_s=0.5, wait_timeout_s=30,
+                      experts_kernel=os.environ.get("REJOIN_TEST_EXPERTS_KERNEL", "auto"))
 
 
 def _build(rank: int, steps: int):
@@ -59,18 +62,26 @@ def _forward(model, rank: int, step: int, reference) -> tuple[float, float]:
     return float((got - want).abs().max()), ATOL + RTOL * float(want.abs().max())
 
 
+def _slices(plans, model) -> list:
+    """Every (layer, slot) plan's slices; composite plans have one slot per layer, the layout's."""
+    layers = range(len(model.experts_layers))
+    if isinstance(plans, CompositePlanCache):
+        return [plans.get(layer, plans.layouts[model.group.rank].slot(layer)).slices for layer in layers]
+    return [plans.get(layer, slot).slices for layer in layers for slot in range(model.dwdp_config.num_buffers)]
+
+
 def _plans_of(model) -> list:
-    plans = model.failover.plans
-    return [plans.get(layer, slot).slices for layer in range(plans.segment.num_layers)
-            for slot in range(model.dwdp_config.num_buffers)]
+    return _slices(model.failover.plans, model)
 
 
 def _fresh_plans(model) -> list:
     """The plans a rank of a group that never lost anybody would use."""
     old = model.failover.plans
-    fresh = PlanCache(model.placement, model.group.rank, old.segment, old.slice_bytes)
-    return [fresh.get(layer, slot).slices for layer in range(old.segment.num_layers)
-            for slot in range(model.dwdp_config.num_buffers)]
+    if isinstance(old, CompositePlanCache):
+        fresh = CompositePlanCache(old.layouts, model.group.rank, old.slice_bytes)
+    else:
+        fresh = PlanCache(model.placement, model.group.rank, old.segment, old.slice_bytes)
+    return _slices(fresh, model)
 
 
 def _replacement(env: dict, inbox, outbox, steps: int) -> None:
@@ -179,8 +190,12 @@ def _rank(rank: int) -> dict | None:
 
 
 @pytest.mark.timeout(170)
-def test_a_killed_rank_restarts_rejoins_and_survivors_plan_it_back_in(tmp_path):
-    results = launch_local(_rank, 3, timeout_s=150, env={"DWDP_SHM_DIR": str(tmp_path)}, may_die=(VICTIM,))
+@pytest.mark.parametrize("experts_kernel", ["composite", "reference"])
+def test_a_killed_rank_restarts_rejoins_and_survivors_plan_it_back_in(tmp_path, experts_kernel):
+    """composite: the replacement reads its experts at the peers' composite offsets; reference: at
+    their segment-layout offsets (the multi-buffer path)."""
+    results = launch_local(_rank, 3, timeout_s=150, may_die=(VICTIM,),
+                           env={"DWDP_SHM_DIR": str(tmp_path), "REJOIN_TEST_EXPERTS_KERNEL": experts_kernel})
     assert results[VICTIM] is None, results[VICTIM]
     for rank in (0, 2):
         r = results[rank]

@@ -345,6 +345,7 @@ def test_health_and_metrics_name_each_workers_device_and_memory(server):
     from prometheus_client.parser import text_string_to_metric_families
 
     from dwdp.models.demo_model import DEMO_MODEL
+    from dwdp.runtime.transport.host_composite import composite_unsupported_reason
 
     # Tiny preset: per MoE layer 16 experts of gate_up [2I, H] + down [H, I] fp32; ceil(16 / 3) = 6 local per
     # rank, and each of the two prefetch slots holds the 10 others of one layer.
@@ -354,7 +355,8 @@ def test_health_and_metrics_name_each_workers_device_and_memory(server):
     local, slots = layers * num_local * expert, 2 * (DEMO_MODEL["num_experts"] - num_local) * expert
     workers = httpx.get(f"{server.url}/health").json()["workers"]
     for w in workers:
-        assert (w["device"], w["backend"], w["experts_kernel"], w["dtype"]) == ("cpu", "host", "reference", "float32"), w
+        kernel = "composite" if composite_unsupported_reason() is None else "reference"  # the default here
+        assert (w["device"], w["backend"], w["experts_kernel"], w["dtype"]) == ("cpu", "host", kernel, "float32"), w
         assert w["local_expert_bytes"] == local and w["prefetch_buffer_bytes"] == slots, (w, local, slots)
         assert 0 < w["warmup_s"] < w["ready_s"], w
     samples = {}

@@ -13,10 +13,11 @@ from dwdp.models.tiny import build_tiny_model
 from logits_check import check_logits
 
 # qwen3_moe tiny: 3 MoE layers of 8 experts, gate_up [96, 32] + down [32, 48] fp32 = 18432 bytes each.
-# One forward over 2 slots: layer 0 at the start, then one copy per layer visit = 4 copies of
-# the 4 experts a rank of a 2-rank group pulls.
+# One forward with composite views (the default), 2 slots by layer parity: layer 0 at the start, layers 1
+# and 2 at the visits before them; layer 0 of the next forward shares slot 0 with layer 2, so it waits
+# for the next forward = 3 copies of the 4 experts a rank of a 2-rank group pulls.
 EXPERT_BYTES = (96 * 32 + 32 * 48) * 4
-COPIES_ONE_FORWARD = 4
+COPIES_ONE_FORWARD = 3
 
 
 def _rank(rank: int) -> dict:

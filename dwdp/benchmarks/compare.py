@@ -69,6 +69,16 @@ def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DI
     p.add_argument("--out-dir", default=results_dir, help=f"where the JSON and PNG go (default {results_dir})")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds before giving up on the group")
+    p.add_argument("--experts-paths", action="store_true",
+                   help="instead: time the forward with composite views, the tables path, a merge copy and "
+                        "replicated at equal routing with copies that cost nothing (dwdp.benchmarks.experts_paths)")
+    p.add_argument("--experts-tokens", type=int, nargs="+", default=[8, 512],
+                   help="tokens per forward for --experts-paths (default 8 512)")
+    p.add_argument("--experts-rounds", type=int, default=5, help="interleaved rounds for --experts-paths (default 5)")
+    p.add_argument("--experts-repeats", type=int, default=5, help="timed forwards per round (default 5)")
+    p.add_argument("--experts-slots", type=int, default=None,
+                   help="prefetch slots for --experts-paths (default: one per MoE layer, no copies while timing; "
+                        "2: every layer refilled, so the tables path's local-first compute can overlap the copies)")
     return p
 
 
@@ -379,6 +389,10 @@ def _launch_with_progress(opts: dict, timeout_s: float, show: bool) -> list[dict
 
 def run_compare(args: argparse.Namespace) -> int:
     """Run the comparison described by parsed `args`; prints the table last, returns the exit code."""
+    if getattr(args, "experts_paths", False):
+        from dwdp.benchmarks.experts_paths import run_experts_paths
+
+        return run_experts_paths(args)
     try:
         opts = options_from_args(args)
     except ValueError as exc:

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BACKENDS = ("auto", "host", "cuda")
-EXPERTS_KERNELS = ("auto", "reference", "triton", "triton_fp8")
+EXPERTS_KERNELS = ("auto", "composite", "reference", "triton", "triton_fp8")
 CUDA_COPIES = ("batch", "memcpy")
-CUDA_MAPPINGS = ("auto", "ipc", "symmetric_memory")
+CUDA_MAPPINGS = ("auto", "vmm", "ipc", "symmetric_memory")
 EXPERT_BIASES = ("auto", "replicate", "move")
 
 # slice_bytes when the config names none, per backend. host: 1 MiB (the design's default; the CPU
@@ -52,16 +52,24 @@ class DWDPConfig:
     experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
         two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first),
         "triton_fp8" (triton with fp8 x fp8 dots: fp8 experts only, tokens quantized per row and
-        weight block of K), or "auto": triton for CUDA models (triton_fp8 for fp8 experts: the
-        dequantizing path is too slow to be chosen for you), reference otherwise.
+        weight block of K), "composite" (each layer's experts are one [E, ...] tensor whose local
+        experts are this rank's segment pages mapped in place and whose remote ones are pool pages the
+        prefetch fills; the model's own experts implementation runs on it: dwdp.runtime.composite_experts),
+        or "auto": composite where the backend builds composite views (host on Linux; cuda where the group
+        settles on a VMM mapping, not yet run on a GPU), else triton for
+        CUDA models (triton_fp8 for fp8 experts: the dequantizing path is too slow to be chosen for
+        you), reference otherwise; a fallback from composite says why in one log line.
     cuda_copy: how the cuda backend issues a layer's slices: "batch" (one cudaMemcpyBatchAsync per
         batch; per-slice copies where the runtime lacks it) or "memcpy" (one cudaMemcpyAsync per slice).
     copy_batches: most batches one layer's copy is cut into; each ends where experts complete. cuda:
         one copy call each, whose event tells compute that they have landed; host: one copier task
         each (and none under 1 MiB: dwdp.runtime.transport.host).
-    cuda_mapping: how the cuda backend maps peers' segments: "ipc" (CUDA IPC, one node),
-        "symmetric_memory" (torch.distributed._symmetric_memory, multi-node NVLink) or "auto":
-        ipc when every rank of the group is on this host.
+    cuda_mapping: how the cuda backend maps peers' segments: "vmm" (cuMem allocations exported as
+        POSIX fds on one node or fabric handles across NVL72 trays: what composite views need; not
+        yet run on a GPU), "ipc" (CUDA IPC, one node), "symmetric_memory"
+        (torch.distributed._symmetric_memory, multi-node NVLink) or "auto": vmm where every rank's
+        device exports cuMem handles and experts_kernel can use composite views, else ipc when every
+        rank of the group is on this host, else symmetric_memory.
     expert_biases: where experts' biases live: "replicate" (every rank keeps all of them, nothing to
         copy), "move" (with their expert, like its weights), or "auto": replicate when a layer's biases
         of all experts take no more bytes than one expert's weights (dwdp.models.expert_tensors.place_biases).

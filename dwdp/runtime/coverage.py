@@ -88,7 +88,7 @@ def markdown(rows: list[FamilyCoverage], transformers_version: str | None = None
         f"{len(wrapped)} of the {len(rows)} MoE families of transformers {transformers_version} wrap "
         f"({outcome}), as found on each family's tiny random config. Path: the experts "
         "path on CUDA with `experts_kernel='auto'`; dwdp decides it per model when it wraps, so a real "
-        "checkpoint's settings (a gate's clamp limit) can change it. On CPU every family runs the reference path.",
+        "checkpoint's settings (a gate's clamp limit) can change it. On a Linux CPU every family runs on composite views (the model's own experts call where transformers' registry drives the module, dwdp's reference path over the views otherwise); elsewhere the reference path.",
         "",
         "| family | model | experts | tensors per expert | layout | gate | path |",
         "|---|---|---|---|---|---|---|",

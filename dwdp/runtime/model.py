@@ -23,6 +23,8 @@ from dwdp import envs
 from dwdp.models.adapters import ExpertsLayer, find_experts, route_experts
 from dwdp.runtime.config import DWDPConfig
 from dwdp.models.expert_tensors import ExpertsSpec, place_biases
+from dwdp.runtime.composite import CompositeLayout, composite_layouts
+from dwdp.runtime.composite_experts import CompositePlanCache, composite_experts_forward, own_experts_function
 from dwdp.runtime.experts import EXPERTS_IMPLEMENTATION, LayerRuntime, LayerTables, dwdp_experts_forward
 from dwdp.runtime.experts_kernel import (TOP_K_FORMS, choose_experts_kernel, compiled_specialisations, epilogue_of,
                              kernel_weight_tables, routing_top_k)
@@ -37,6 +39,7 @@ from dwdp.runtime.rejoin import PeerEntries, live_owner_of_each, peer_source
 from dwdp.observe.nvtx_ranges import NvtxRanges
 from dwdp.observe.tracing import TraceRecorder, attach_nvtx_hooks, attach_phase_hooks
 from dwdp.runtime.transport import make_transport, resolve_backend
+from dwdp.runtime.transport.host_composite import HostCompositeViews, composite_unsupported_reason, page_size
 from dwdp.runtime.wrapping import ModelWrapper, dense_bytes, dense_checksum
 
 log = logging.getLogger("dwdp")
@@ -128,12 +131,66 @@ def check_same_dense(checksums: list[int]) -> None:
                      f"{where}): every rank of a DWDP group must load the same model (same checkpoint, same seed)")
 
 
-def _cuda_mapping(requested: str, group: DWDPGroup) -> str:
-    """CUDA IPC when every rank of the group is on this host, symmetric memory otherwise."""
-    if requested != "auto":
+def composite_unavailable(backend: str, mapping: str | None = None) -> str | None:
+    """Why composite views cannot be built on `backend` (cuda: with peer `mapping`) here, or None
+    when they can."""
+    if backend == "cuda":
+        if mapping in ("vmm-posix-fd", "vmm-fabric"):
+            return None
+        return (f"the cuda backend maps peers with {mapping!r}; composite views need cuMem allocations "
+                "(VMM export refused on some rank, or cuda_mapping set to another mapping)")
+    if backend != "host":
+        return f"composite views are built on the host and cuda backends only, not {backend!r}"
+    return composite_unsupported_reason()
+
+
+def _choose_composite(requested: str, backend: str, rank: int, mapping: str | None = None) -> bool:
+    """Whether this rank runs in composite mode: always for "composite" (an error where it cannot),
+    under "auto" where the backend builds composite views (one log line when it falls back)."""
+    if requested not in ("auto", "composite"):
+        return False
+    reason = composite_unavailable(backend, mapping)
+    if reason is None:
+        return True
+    if requested == "composite":
+        raise ValueError(f"experts_kernel='composite' cannot run here: {reason}")
+    log.info("rank %d: composite views unavailable (%s); using the multi-buffer experts path", rank, reason)
+    return False
+
+
+def _composite_tables(layer: ExpertsLayer, table_order: list[int]) -> LayerTables:
+    """Each tensor's E per-expert views in table order, all read from the module's [E, ...] tensors
+    (composite views for the moving ones)."""
+    E = layer.spec.num_experts
+    return {t.name: [t.stacked(layer.module, E)[e] for e in table_order] for t in layer.spec.tensors}
+
+
+def _cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, device: torch.device) -> str:
+    """How the cuda backend maps peers' segments (not yet run on a GPU for the VMM mappings).
+
+    "auto" or "vmm" with a composite-capable experts_kernel ("auto", "composite"): each rank probes
+    what its device exports (cuda_vmm.choose_mapping: fabric with an IMEX channel, else POSIX fd,
+    else CUDA IPC, one log line) and one all-gather settles the group on what every rank can do:
+    fabric handles when all ranks have them (one node or several NVL72 trays), POSIX fds when all
+    ranks export and share this host, else CUDA IPC on one host and symmetric memory across hosts.
+    """
+    if requested not in ("auto", "vmm"):
         return requested
-    hosts = group.all_gather_object(socket.gethostname())
-    return "ipc" if len(set(hosts)) == 1 else "symmetric_memory"
+    local = "ipc"
+    if experts_kernel in ("auto", "composite"):
+        from dwdp.runtime.transport import cuda as cuda_transport
+
+        local = cuda_transport.local_vmm_mapping(group.rank, device)
+    answers = group.all_gather_object((socket.gethostname(), local))
+    hosts, choices = {h for h, _ in answers}, {c for _, c in answers}
+    if choices == {"vmm-fabric"}:
+        return "vmm-fabric"
+    if len(hosts) == 1:
+        return "vmm-posix-fd" if "ipc" not in choices else "ipc"
+    if requested == "vmm":
+        raise ValueError(f"cuda_mapping='vmm' across {len(hosts)} hosts needs fabric handles on every rank; "
+                         f"the ranks offer {sorted(choices)}")
+    return "symmetric_memory"
 
 
 class DWDPModel(ModelWrapper):
@@ -193,6 +250,10 @@ class DWDPModel(ModelWrapper):
         self.experts_layers = layers
         self.experts_modules = [layer.module for layer in layers]
         self.expert_biases = _bias_report(first.spec)
+        mapping = _cuda_mapping(config.cuda_mapping, config.experts_kernel, group, device) \
+            if backend == "cuda" else None
+        use_composite = _choose_composite(config.experts_kernel, backend, group.rank, mapping)
+        self.views = layouts = None
 
         tensor_nbytes = tuple(t.stride_bytes for t in moving)  # one expert's block of each moving tensor
         segment_layout = SegmentLayout(len(layers), placement.num_local_experts, tensor_nbytes)
@@ -204,19 +265,42 @@ class DWDPModel(ModelWrapper):
         if group.rejoining and board is None:
             raise ValueError(f"rank {group.rank} cannot rejoin: the {backend} backend has no board "
                              f"(group_id={group.group_id!r}, size {group.size})")
-        mapping = _cuda_mapping(config.cuda_mapping, group) if backend == "cuda" else "ipc"
-        transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
+        transport = make_transport(backend, group.rank, config, device=device, mapping=mapping or "ipc",
                                    process_group=group.process_group)
         self.transport = transport
         self._finalizer = weakref.finalize(self, transport.close)
+        if use_composite:
+            # Natural sizes, no padding: each view is the unwrapped model's contiguous [E, ...] tensor.
+            # Pages: the host's, or the device's cuMem granularity (peers check theirs match at open).
+            granularity = page_size() if backend == "host" else transport.granularity()
+            layouts = composite_layouts(placement, len(layers), tuple(t.nbytes for t in moving), granularity,
+                                        config.num_buffers)
         record = liveness = None
         lost_at_start: dict[int, str] = {}
         self.expert_source_used = "model" if expert_source is None else "given"  # "peers" when rejoining
         try:
-            segment = transport.alloc_segment(segment_layout.total_nbytes)
             local_ids = torch.tensor(placement.local_experts(group.rank))
             source = expert_source or _module_source(layers)
             checksum = dense_checksum(model, self.experts_modules)
+            if use_composite:
+                layout = layouts[group.rank]
+                segment = transport.alloc_segment(layout.segment_nbytes)
+                if backend == "cuda":
+                    self.views = transport.composite_views(layout)  # closed with the transport
+                else:
+                    fd = transport.segment_fd()
+                    try:
+                        self.views = HostCompositeViews(layout, fd)
+                    finally:
+                        os.close(fd)
+
+                def offset_in_peer(peer: int, layer: int, expert: int, tensor: int) -> int:
+                    return layouts[peer].segment_offset(layer, expert, tensor)
+            else:
+                segment = transport.alloc_segment(segment_layout.total_nbytes)
+
+                def offset_in_peer(peer: int, layer: int, expert: int, tensor: int) -> int:
+                    return segment_layout.offset(layer, placement.local_experts(peer).index(expert), tensor)
             if group.rejoining:
                 peers = PeerEntries.read(board, group.rank, group.size)
                 check_same_dense_as_peers(group.rank, checksum, peers)
@@ -227,11 +311,13 @@ class DWDPModel(ModelWrapper):
                                  for r in peers.missing}
                 owner_of = live_owner_of_each(placement, group.rank, peers.live)
                 if owner_of is not None:  # a memory copy beats reading the checkpoint: see dwdp.runtime.rejoin
-                    source = peer_source(layers, placement, segment_layout, owner_of, transport.peer_segment,
-                                         source)
+                    source = peer_source(layers, offset_in_peer, owner_of, transport.peer_segment, source)
                     self.expert_source_used = "peers"
             for index, layer in enumerate(layers):
-                self._fill_local(index, layer, segment, segment_layout, local_ids, source)
+                if use_composite:
+                    self._fill_composite(index, layer, segment, layout, self.views, local_ids, source)
+                else:
+                    self._fill_local(index, layer, segment, segment_layout, local_ids, source)
             if not group.rejoining:
                 # The one setup exchange also carries a checksum of the dense weights: ranks that loaded
                 # different models (another seed, another checkpoint) would compute wrong logits silently.
@@ -253,26 +339,49 @@ class DWDPModel(ModelWrapper):
         self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
         self._board_finalizer = weakref.finalize(self, board.withdraw, group.rank) if board is not None else None
 
-        slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
-        plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes_for(backend))
+        if use_composite:
+            # The copies write into each layer's views; the slot only tells which pool pages they use.
+            views = self.views
+            # Empty: only their device matters (the routing's position table goes there).
+            slot_buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(config.num_buffers)]
+            plans = CompositePlanCache(layouts, group.rank, config.slice_bytes_for(backend))
+            prefetch_kwargs = dict(slot_of_layer=layouts[group.rank].slot,
+                                   buffer_of=lambda layer, slot: views.layer_range(layer))
+        else:
+            slot_buffers = [transport.alloc_slot(slots.total_nbytes) for _ in range(config.num_buffers)]
+            plans = PlanCache(placement, group.rank, segment_layout, config.slice_bytes_for(backend))
+            prefetch_kwargs = {}
         # A lost peer is a plan change made here, from this rank's own view: never a collective.
         self.failover = Failover(placement, group.rank, plans, transport, liveness, config.peer_timeout_s, record,
                                  board)
         self.failover.declare_lost(lost_at_start)
-        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover)
+        self.prefetcher = Prefetcher(transport, plans, slot_buffers, len(layers), timeout_s, self.failover,
+                                     **prefetch_kwargs)
+        slot0 = layouts[group.rank].slot(0) if use_composite else 0
 
         # Remote experts in the order their copies complete, so the ones landed at any moment are
         # mostly a prefix of the table (exactly one on CUDA, where batches complete in order).
-        remote_order = list(arrival_order(plans.get(0, 0)))
+        remote_order = list(arrival_order(plans.get(0, slot0)))
         table_order = list(placement.local_experts(group.rank)) + remote_order
         num_identity = first.spec.math.num_identity_experts
         position = torch.empty(num_experts + num_identity, dtype=torch.long)
         position[torch.tensor(table_order)] = torch.arange(num_experts)
         position[num_experts:] = torch.arange(num_experts, num_experts + num_identity)  # identity experts last
         position = position.to(slot_buffers[0].device)  # indexed by the router's ids, on their device
-        self.experts_kernel = choose_experts_kernel(config.experts_kernel, device, layers)
+        if use_composite:
+            self.experts_kernel = "composite"
+            implementation = getattr(getattr(model, "config", None), "_experts_implementation", None)
+        else:
+            self.experts_kernel = choose_experts_kernel(
+                "auto" if config.experts_kernel == "composite" else config.experts_kernel, device, layers)
         for index, layer in enumerate(layers):
-            tables = [_layer_tables(layer, slots, buf, table_order) for buf in slot_buffers]
+            if use_composite:
+                # Every slot reads the same views: the layer's pages are fixed, the slot is the pool's.
+                tables = [_composite_tables(layer, table_order)] * len(slot_buffers)
+                if layer.adapter.routes_through_registry(layer):
+                    layer.module._dwdp_own_experts = own_experts_function(layer.module, implementation)
+            else:
+                tables = [_layer_tables(layer, slots, buf, table_order) for buf in slot_buffers]
             kernel_tables, epilogue = None, None
             if self.experts_kernel in ("triton", "triton_fp8"):
                 fp8_dots = self.experts_kernel == "triton_fp8"
@@ -283,7 +392,8 @@ class DWDPModel(ModelWrapper):
                 self.prefetcher, kernel_tables, epilogue,
             )
 
-        route_experts(model, layers, EXPERTS_IMPLEMENTATION, dwdp_experts_forward)
+        route_experts(model, layers, EXPERTS_IMPLEMENTATION,
+                      composite_experts_forward if use_composite else dwdp_experts_forward)
         self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward()),
                        model.register_forward_hook(lambda *_: self.prefetcher.end_forward())]
         if backend == "cuda":
@@ -292,7 +402,8 @@ class DWDPModel(ModelWrapper):
         self.recorder = None
         trace = trace or envs.trace_dir()
         if trace:
-            plan_bytes = {layer: plans.get(layer, 0).nbytes for layer in range(len(layers))}
+            plan_bytes = {layer: plans.get(layer, self.prefetcher.slot_of_visit(layer, layer)).nbytes
+                          for layer in range(len(layers))}
             self.recorder = TraceRecorder(trace, group.rank, group.size, len(layers), plan_bytes)
             self.prefetcher.recorder = transport.recorder = self.recorder
             self._hooks.append(model.register_forward_pre_hook(lambda *_: self.recorder.begin_forward()))
@@ -300,14 +411,49 @@ class DWDPModel(ModelWrapper):
             self._hooks += attach_phase_hooks(model, self.recorder, [layer.name for layer in layers])
 
         local_tensors = [t.stored(layer.module) for layer in layers for t in moving]
+        if use_composite:
+            # The views span every expert (not dense bytes); only the local ones are this rank's segment.
+            local_bytes, buffer_bytes = layouts[group.rank].segment_nbytes, layouts[group.rank].pool_nbytes
+        else:
+            local_bytes, buffer_bytes = segment_layout.total_nbytes, config.num_buffers * slots.total_nbytes
         self.memory = MemoryReport(
             full_expert_bytes=full_bytes,
-            local_expert_bytes=segment_layout.total_nbytes,
-            prefetch_buffer_bytes=config.num_buffers * slots.total_nbytes,
+            local_expert_bytes=local_bytes,
+            prefetch_buffer_bytes=buffer_bytes,
             dense_bytes=dense_bytes(model, local_tensors),
         )
-        log.info("rank %d/%d: %s backend, %s kernel, biases %s, %s", group.rank, group.size, backend,
-                 self.experts_kernel, self.expert_biases, self.memory)
+        if not use_composite:
+            mapping_line = f"{self.experts_kernel} kernel"
+        elif backend == "cuda":
+            mapping_line = (f"composite views (cuda: cuMemCreate segment + pool, peers through {mapping}, "
+                            f"{layouts[group.rank].granularity} B granules)")
+        else:
+            mapping_line = (f"composite views ({backend}: /dev/shm segment + memfd pool, mmap MAP_FIXED, "
+                            f"{page_size()} B pages)")
+        log.info("rank %d/%d: %s backend, %s, biases %s, %s", group.rank, group.size, backend,
+                 mapping_line, self.expert_biases, self.memory)
+
+    @staticmethod
+    def _fill_composite(index: int, layer: ExpertsLayer, segment: torch.Tensor, layout: CompositeLayout,
+                        views, local_ids: torch.Tensor, source: ExpertSource) -> None:
+        """Copy this rank's experts of `layer` into its segment at their composite offsets and point the
+        module at the layer's [E, ...] views (local experts in place, the rest filled by the prefetch)."""
+        spec = layer.spec
+        for t_index, tensor in enumerate(spec.moving):
+            src = source(layer.name, tensor.name, local_ids)  # [L, *shape]
+            want = (len(local_ids), *tensor.shape)
+            if tuple(src.shape) != want:
+                raise ValueError(f"{layer.name}: expert source gave {tensor.name} of shape {tuple(src.shape)}, "
+                                 f"expected {want}")
+            for i, expert in enumerate(local_ids.tolist()):
+                at = layout.segment_offset(index, expert, t_index)
+                segment[at:at + tensor.nbytes].view(tensor.dtype).view(tensor.shape).copy_(src[i])
+            full = views.view(index, t_index, tensor.dtype, tensor.stored_shape(spec.num_experts))
+            tensor.replace(layer.module, full)  # dropping the stacked tensor frees the non-local experts
+        for tensor in spec.replicated:
+            if tensor.stored(layer.module).is_meta:
+                full = source(layer.name, tensor.name, torch.arange(spec.num_experts))  # [E, *shape]
+                tensor.replace(layer.module, full.reshape(tensor.stored_shape(spec.num_experts)).clone())
 
     @staticmethod
     def _fill_local(index: int, layer: ExpertsLayer, segment: torch.Tensor, layout: SegmentLayout,

@@ -63,11 +63,17 @@ class Prefetcher:
         num_layers: int,
         timeout_s: float,
         failover=None,
+        slot_of_layer=None,
+        buffer_of=None,
     ):
+        """slot_of_layer: layer -> slot, when each layer's destination is tied to one slot (composite
+        views: pool pages by layer parity); None rotates slots by visit. buffer_of: (layer, slot) ->
+        the uint8 buffer a copy of that layer writes into (composite: the layer's range); None: the slot's."""
         if len(slot_buffers) < 2:
             raise ValueError(f"num_buffers={len(slot_buffers)} must be >= 2")
         self.transport, self.plans, self.num_layers, self.timeout_s = transport, plans, num_layers, timeout_s
         self.slots = [_Slot(b) for b in slot_buffers]
+        self.slot_of_layer, self.buffer_of = slot_of_layer, buffer_of
         self.failover = failover  # a dwdp.runtime.failover.Failover, or None: any copy error is final
         self.stats = PrefetchStats()
         self._visit = 0
@@ -82,8 +88,15 @@ class Prefetcher:
     def num_buffers(self) -> int:
         return len(self.slots)
 
-    def slot_of_visit(self, visit: int) -> int:
+    def slot_of_visit(self, visit: int, layer: int | None = None) -> int:
+        """The slot of visit `visit` (of MoE layer `layer`)."""
+        if self.slot_of_layer is not None and layer is not None:
+            return self.slot_of_layer(layer)
         return visit % self.num_buffers
+
+    def _buffer(self, slot_index: int) -> torch.Tensor:
+        slot = self.slots[slot_index]
+        return slot.buffer if self.buffer_of is None else self.buffer_of(slot.layer, slot_index)
 
     # -- public per-layer protocol -------------------------------------------------------------
     def start_forward(self) -> None:
@@ -97,7 +110,7 @@ class Prefetcher:
             if self._visit % self.num_layers != 0:
                 # The previous forward stopped early: restart the cycle at the next layer 0.
                 self._visit += self.num_layers - self._visit % self.num_layers
-            self._issue_locked(0, self.slot_of_visit(self._visit))
+            self._issue_locked(0, self.slot_of_visit(self._visit, 0))
 
     def poll_peers(self):
         """Read the peers' liveness now and re-plan around any loss; returns the FailoverStatus
@@ -127,7 +140,7 @@ class Prefetcher:
         with self._cond:
             if self._visit % self.num_layers != layer:
                 self._visit += (layer - self._visit) % self.num_layers
-            slot_index = self.slot_of_visit(self._visit)
+            slot_index = self.slot_of_visit(self._visit, layer)
             slot = self.slots[slot_index]
             self._issue_locked(layer, slot_index)
             # A copy deferred behind an earlier reader of this slot starts when that reader releases.
@@ -142,8 +155,13 @@ class Prefetcher:
             self._visit += 1
             # Prefetch depth is B - 1 layers: every other slot is filled ahead of its use.
             for ahead in range(self.num_buffers - 1):
-                target = self.slot_of_visit(self._visit + ahead)
-                if not self._issue_locked((layer + 1 + ahead) % self.num_layers, target) and ahead == 0:
+                target_layer = (layer + 1 + ahead) % self.num_layers
+                target = self.slot_of_visit(self._visit + ahead, target_layer)
+                if target == slot_index:
+                    # Slots tied to layers (M not a multiple of B): the next layer's pages are the
+                    # ones being read; its copy is issued when that layer begins.
+                    continue
+                if not self._issue_locked(target_layer, target) and ahead == 0:
                     self.stats.slot_hits += 1
         return slot_index
 
@@ -238,7 +256,7 @@ class Prefetcher:
             unfinished = set(old.missing_experts())
             plan = self.plans.get(slot.layer, slot_index)
             retry = CopyPlan(plan.rank, plan.layer, plan.slot, tuple(s for s in plan.slices if s.expert in unfinished))
-            slot.ticket = self.transport.submit(retry, slot.buffer)
+            slot.ticket = self.transport.submit(retry, self._buffer(slot_index))
             self._count_issued(retry)
             self.failover.retried_slices += len(retry.slices)
         needed = slot.routed if experts is None else torch.tensor(list(experts), dtype=torch.long)
@@ -303,7 +321,7 @@ class Prefetcher:
         if self.nvtx is not None:
             self.nvtx.push(phases.PREFETCH_ISSUE, slot.layer, slot_index)
         try:
-            slot.ticket = self.transport.submit(plan, slot.buffer)
+            slot.ticket = self.transport.submit(plan, self._buffer(slot_index))
         finally:
             if self.nvtx is not None:
                 self.nvtx.pop()

@@ -18,7 +18,6 @@ import torch
 
 from dwdp.runtime.board import Board
 from dwdp.runtime.placement import Placement
-from dwdp.runtime.plan import SegmentLayout
 
 
 @dataclass(frozen=True)
@@ -61,13 +60,13 @@ def live_owner_of_each(placement: Placement, rank: int, live) -> dict[int, int] 
     return chosen
 
 
-def peer_source(layers, placement: Placement, layout: SegmentLayout, owner_of: dict[int, int],
-                peer_segment, fallback):
+def peer_source(layers, offset_in_peer, owner_of: dict[int, int], peer_segment, fallback):
     """An ExpertSource (dwdp.runtime.model) reading moving tensors from live peers' segments.
 
-    owner_of: expert -> peer to read it from (`live_owner_of_each`); peer_segment(peer) -> that
-    peer's mapped segment, uint8 [nbytes]; fallback: the ExpertSource for tensors that stay on
-    every rank (they are in no segment).
+    offset_in_peer(peer, layer index, expert, tensor index) -> byte offset of that expert's tensor in
+    the peer's segment (its tables or composite layout); owner_of: expert -> peer to read it from
+    (`live_owner_of_each`); peer_segment(peer) -> that peer's mapped segment, uint8 [nbytes];
+    fallback: the ExpertSource for tensors that stay on every rank (they are in no segment).
     """
     index_of = {layer.name: i for i, layer in enumerate(layers)}
     spec_of = {layer.name: layer.spec for layer in layers}
@@ -82,7 +81,7 @@ def peer_source(layers, placement: Placement, layout: SegmentLayout, owner_of: d
         rows = []
         for e in ids.tolist():
             peer = owner_of[e]
-            start = layout.offset(index_of[name], placement.local_experts(peer).index(e), t_index)
+            start = offset_in_peer(peer, index_of[name], e, t_index)
             rows.append(tensor.views_in(peer_segment(peer), start, 1))  # [1, *shape]
         return torch.cat(rows)  # [n, *shape]
 

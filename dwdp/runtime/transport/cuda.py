@@ -19,6 +19,19 @@ the events against a deadline and name the peers still outstanding.
 
 Every device call goes through `api` (dwdp.runtime.transport.cuda_api by default), so tests drive this
 control logic with a recording fake on a CPU.
+
+VMM mappings ("vmm-posix-fd", "vmm-fabric"; not yet run on a GPU): the segment is a cuMemCreate
+allocation (exportable as a POSIX fd or a fabric handle) mapped into a range of its own with one
+cuMemSetAccess; `register` exports it (POSIX fd: the exporter's pid and fd number travel in the handle,
+and each peer takes the fd with pidfd_getfd, so the setup's one all-gather is the only exchange; where
+Yama refuses pidfd_getfd between sibling processes, the exporter serves the fd on an abstract Unix
+socket (SCM_RIGHTS, same user only) until seal and the handle names the socket;
+fabric: the 64 handle bytes travel in it), `open` imports each peer's allocation and maps it the same
+way, `composite_views` builds the rank's composite views (dwdp.runtime.transport.cuda_vmm) over the
+segment, and copy plans write into the views' pool pages and boundary pages. `seal` closes the
+exported fd (every peer holds its own copy by then); `close` drains the copy stream, then unmaps and
+releases the views, the peers' imports and the segment, in the reverse of setup. The driver calls
+go through `driver` (cuda.bindings.driver by default, tests/fake_cuda_vmm.py in tests).
 """
 from __future__ import annotations
 
@@ -35,8 +48,22 @@ import torch
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
+from dwdp.runtime.transport.cuda_vmm import (CudaCompositeViews, FdServer, Vmm, choose_mapping, fetch_fd, pidfd_getfd,
+                                              pidfd_getfd_refused)
 
 log = logging.getLogger("dwdp")
+
+# Mapping -> the cuMem handle type its segments are exported as (composite views need one of these).
+VMM_MAPPINGS = MappingProxyType({"vmm-posix-fd": "posix_fd", "vmm-fabric": "fabric"})
+
+
+@dataclass(frozen=True)
+class _VmmRange:
+    """One cuMem allocation mapped whole into a range of its own: `handle` at [ptr, ptr + nbytes)."""
+
+    handle: object
+    ptr: int
+    nbytes: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -185,21 +212,24 @@ class CudaTransport(Transport):
 
     rank: this rank's index in the DWDP group. device: the CUDA device of the model.
     copy: "batch" or "memcpy" (DWDPConfig.cuda_copy); copy_batches: most batches per plan.
-    mapping: "ipc" or "symmetric_memory"; process_group: needed by "symmetric_memory"; "process": every
+    mapping: "ipc", "symmetric_memory", "vmm-posix-fd" or "vmm-fabric" (cuMem allocations, needed by
+    composite views); process_group: needed by "symmetric_memory"; "process": every
     rank of the group lives in this process (`dwdp tune`, tests), a peer's segment is read through
     its own pointer (with peer access enabled between devices).
-    prefer_overlap: the PreferOverlapWithCompute hint on batches. api: the cuda_api module or a fake.
+    prefer_overlap: the PreferOverlapWithCompute hint on batches. api: the cuda_api module or a fake;
+    driver: cuda.bindings.driver or a fake of it (VMM mappings only).
     """
 
     name = "cuda"
 
     def __init__(self, rank: int, device: torch.device | str | int = "cuda", *, copy: str = "batch",
                  copy_batches: int = 4, mapping: str = "ipc", process_group=None, prefer_overlap: bool = True,
-                 close_timeout_s: float = 60.0, api=cuda_api):
+                 close_timeout_s: float = 60.0, api=cuda_api, driver=None):
         if copy not in ("batch", "memcpy"):
             raise ValueError(f"copy={copy!r} must be 'batch' or 'memcpy'")
-        if mapping not in ("ipc", "symmetric_memory", "process"):
-            raise ValueError(f"mapping={mapping!r} must be 'ipc', 'symmetric_memory' or 'process'")
+        if mapping not in ("ipc", "symmetric_memory", "process", *VMM_MAPPINGS):
+            raise ValueError(f"mapping={mapping!r} must be 'ipc', 'symmetric_memory', 'process', "
+                             f"'vmm-posix-fd' or 'vmm-fabric'")
         self.api = api
         api.require()
         self.rank = rank
@@ -225,6 +255,14 @@ class CudaTransport(Transport):
         self._prepared_plans: dict[tuple[int, int, int], _PreparedPlan] = {}  # (layer, slot, slot ptr)
         self._forgotten: set[int] = set()        # lost peers no copy may read any more
         self._unmap_after: list[tuple[int, int]] = []  # (IPC base, fence event on the copy stream)
+        self._handle_type = VMM_MAPPINGS.get(mapping)
+        self._vmm = Vmm(self.device.index or 0, driver) if self._handle_type is not None else None
+        self._own_range: _VmmRange | None = None     # the segment's allocation, mapped for this rank
+        self._peer_ranges: dict[int, _VmmRange] = {}  # peer -> its imported allocation, mapped
+        self._exported_fd: int | None = None          # the segment's POSIX fd, open until seal
+        self._fd_server: FdServer | None = None       # serves it over SCM_RIGHTS where pidfd_getfd is refused
+        self.views: CudaCompositeViews | None = None
+        self._granularity: int | None = None
         self._closed = False
         self.recorder = None  # copy slices have no host lane on this backend: see NVTX / Nsight instead
 
@@ -232,12 +270,71 @@ class CudaTransport(Transport):
     def alloc_segment(self, nbytes: int) -> torch.Tensor:
         if self._segment is not None:
             raise RuntimeError(f"rank {self.rank}: segment already allocated")
-        if self.mapping == "symmetric_memory":
+        if self._vmm is not None:
+            self._segment = self._alloc_vmm_segment(nbytes)
+        elif self.mapping == "symmetric_memory":
             symm = _symmetric_memory_module()
             self._segment = symm.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
         else:
             self._segment = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
         return self._segment
+
+    def granularity(self) -> int:
+        """The cuMem allocation granularity of this device for the segment's handle type (VMM only)."""
+        if self._vmm is None:
+            raise ValueError(f"rank {self.rank}: mapping={self.mapping!r} has no cuMem granularity; composite views "
+                             "need mapping 'vmm-posix-fd' or 'vmm-fabric'")
+        if self._granularity is None:
+            self._granularity = self._vmm.granularity(self._handle_type)
+        return self._granularity
+
+    def _map_whole(self, handle, nbytes: int) -> int:
+        """Reserve a range for allocation `handle`, map it whole, one set-access; unwinds on failure."""
+        vmm, ptr, mapped = self._vmm, None, False
+        try:
+            ptr = vmm.reserve(nbytes, self.granularity())
+            vmm.map(ptr, nbytes, 0, handle)
+            mapped = True
+            vmm.set_access(ptr, nbytes)
+        except BaseException:
+            if mapped:
+                vmm.unmap(ptr, nbytes)
+            if ptr is not None:
+                vmm.address_free(ptr, nbytes)
+            raise
+        return ptr
+
+    def _release_range(self, mapped: _VmmRange) -> None:
+        self._vmm.unmap(mapped.ptr, mapped.nbytes)
+        self._vmm.address_free(mapped.ptr, mapped.nbytes)
+        self._vmm.release(mapped.handle)
+
+    def _alloc_vmm_segment(self, nbytes: int) -> torch.Tensor:
+        g = self.granularity()
+        size = -(-max(nbytes, 1) // g) * g
+        handle = self._vmm.create(size, self._handle_type)
+        try:
+            ptr = self._map_whole(handle, size)
+        except BaseException:
+            self._vmm.release(handle)
+            raise
+        self._own_range = _VmmRange(handle, ptr, size)
+        return self.api.tensor_at(ptr, size, self.device)[:nbytes]
+
+    def composite_views(self, layout) -> CudaCompositeViews:
+        """This rank's composite views over its segment (see dwdp.runtime.transport.cuda_vmm); closed
+        with the transport. Not yet run on a GPU."""
+        if self._own_range is None:
+            raise RuntimeError(f"rank {self.rank}: composite_views() needs a VMM segment (mapping "
+                               f"{self.mapping!r}; alloc_segment first)")
+        if self.views is not None:
+            raise RuntimeError(f"rank {self.rank}: composite views already built")
+        if layout.segment_nbytes > self._own_range.nbytes:
+            raise ValueError(f"rank {self.rank}: the layout's segment of {layout.segment_nbytes} bytes does not fit "
+                             f"the allocation of {self._own_range.nbytes}")
+        self.views = CudaCompositeViews(layout, self._own_range.handle, self._vmm, self._handle_type,
+                                        tensor_at=lambda ptr, n: self.api.tensor_at(ptr, n, self.device))
+        return self.views
 
     def register(self) -> dict:
         if self._segment is None:
@@ -250,6 +347,20 @@ class CudaTransport(Transport):
             handle["ipc"], handle["offset"] = self.api.ipc_export(self._segment.data_ptr())
         elif self.mapping == "process":
             handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
+        elif self._vmm is not None:
+            handle["alloc_nbytes"], handle["granularity"] = self._own_range.nbytes, self.granularity()
+            shareable = self._vmm.export(self._own_range.handle, self._handle_type)
+            if self._handle_type == "posix_fd":
+                # The fd stays open until seal: peers take their own copy of it with pidfd_getfd, or,
+                # where Yama refuses that between sibling processes, from a socket served until seal.
+                self._exported_fd = shareable
+                handle["pid"], handle["fd"] = os.getpid(), shareable
+                if pidfd_getfd_refused() is not None:
+                    name = f"dwdp-vmm-{os.getpid()}-{self.rank}-{shareable}"
+                    self._fd_server = FdServer(shareable, name)
+                    handle["socket"] = name
+            else:
+                handle["fabric"] = shareable  # 64 bytes, valid across the NVLink domain (IMEX)
         return handle
 
     def open(self, handles: list[dict]) -> None:
@@ -264,6 +375,8 @@ class CudaTransport(Transport):
                 ptrs = self._open_ipc(handles)
             elif self.mapping == "process":
                 ptrs = self._open_process(handles)
+            elif self._vmm is not None:
+                ptrs = self._open_vmm(handles)
             else:
                 ptrs = self._open_symmetric(handles)
             self._stream = self.api.stream_create()
@@ -293,6 +406,41 @@ class CudaTransport(Transport):
             ptrs.append(base + int(handle["offset"]))
         return ptrs
 
+    def _open_vmm(self, handles: list[dict]) -> list[int]:
+        ptrs = []
+        for r, handle in enumerate(handles):
+            if r == self.rank:
+                ptrs.append(self._own_range.ptr)  # this rank's own mapping: nothing to import
+                continue
+            nbytes = int(handle["alloc_nbytes"])
+            if int(handle["granularity"]) != self.granularity():
+                # Every rank computed every layout with its own granularity: they must agree.
+                raise ValueError(f"rank {self.rank}: peer {r}'s cuMem granularity is {handle['granularity']}, this "
+                                 f"rank's {self.granularity()}; composite layouts need one granularity")
+            try:
+                if self._handle_type == "posix_fd":
+                    fd = fetch_fd(handle["socket"]) if "socket" in handle else \
+                        pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
+                    try:
+                        imported = self._vmm.import_(fd, "posix_fd")
+                    finally:
+                        os.close(fd)  # the imported handle keeps the allocation
+                else:
+                    imported = self._vmm.import_(handle["fabric"], "fabric")
+                try:
+                    ptr = self._map_whole(imported, nbytes)
+                except BaseException:
+                    self._vmm.release(imported)
+                    raise
+            except (cuda_api.CudaError, OSError, ValueError) as exc:
+                raise PrefetchError(
+                    f"rank {self.rank}: cannot import the segment of peer {r} (host {handle.get('host')}, device "
+                    f"{handle.get('device')}, {self.mapping}): {exc}"
+                ) from exc
+            self._peer_ranges[r] = _VmmRange(imported, ptr, nbytes)
+            ptrs.append(ptr)
+        return ptrs
+
     def _open_process(self, handles: list[dict]) -> list[int]:
         own = self.device.index or 0
         for r, handle in enumerate(handles):
@@ -312,7 +460,14 @@ class CudaTransport(Transport):
         return [int(p) for p in self._symmetric.buffer_ptrs]
 
     def seal(self) -> None:
-        """Nothing to unlink: an IPC export is not a name in a file system."""
+        """Close the exported POSIX fd (every peer took its own copy before the setup barrier); nothing
+        else to unlink: an IPC export is not a name in a file system."""
+        if self._fd_server is not None:
+            self._fd_server.close()
+            self._fd_server = None
+        if self._exported_fd is not None:
+            os.close(self._exported_fd)
+            self._exported_fd = None
 
     def alloc_slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
@@ -441,11 +596,13 @@ class CudaTransport(Transport):
         if peer in self._forgotten:
             return
         self._forgotten.add(peer)
-        base = self._peer_bases.get(peer)
-        if base is not None and self._stream is not None:
+        key = self._peer_bases.get(peer)
+        if key is None and peer in self._peer_ranges:
+            key = -1 - peer  # a VMM import: keyed by peer (negative: never an IPC base)
+        if key is not None and self._stream is not None:
             fence = self.api.event_create()
             self.api.event_record(fence, self._stream)
-            self._unmap_after.append((base, fence))
+            self._unmap_after.append((key, fence))
         self._unmap_landed()
 
     def _unmap_landed(self) -> None:
@@ -460,6 +617,9 @@ class CudaTransport(Transport):
                 waiting.append((base, fence))
                 continue
             self.api.event_destroy(fence)
+            if base < 0:  # a peer's imported allocation: it goes with the last importer's release
+                self._release_range(self._peer_ranges.pop(-1 - base))
+                continue
             self._opened.remove(base)
             self.api.ipc_close(base)
         self._unmap_after = waiting
@@ -475,6 +635,13 @@ class CudaTransport(Transport):
 
     # -- teardown ------------------------------------------------------------------------------
     def _close_mappings(self) -> None:
+        """Release the peers' mappings (IPC and VMM imports), in the reverse of their opening."""
+        imported, self._peer_ranges = self._peer_ranges, {}
+        for peer in reversed(list(imported)):
+            try:
+                self._release_range(imported[peer])
+            except cuda_api.CudaError as exc:
+                log.error("rank %d: releasing the import of peer %d failed: %s", self.rank, peer, exc)
         opened, self._opened = self._opened, []
         for base in opened:
             try:
@@ -500,8 +667,9 @@ class CudaTransport(Transport):
         if drained:
             # Unmapping a peer's segment under a running copy would fault it: only once drained.
             self._close_mappings()
+            self._close_own_vmm()
         else:
-            self._opened = []
+            self._opened, self._peer_ranges = [], {}
         fences = [fence for _, fence in self._unmap_after]
         self._unmap_after = []
         for event in [*self._consume.values(), *(e for evs in self._slot_events.values() for e in evs), *fences]:
@@ -517,6 +685,29 @@ class CudaTransport(Transport):
                 pass
         self._stream = None
         self._peer_ptrs, self._segment, self._symmetric = [], None, None
+        if self._exported_fd is not None:  # closed without seal (a failed setup)
+            self.seal()
+
+    def _close_own_vmm(self) -> None:
+        """The views, then the segment's own mapping and allocation (the reverse of setup)."""
+        try:
+            if self.views is not None:
+                self.views.close()
+            self.views = None
+            if self._own_range is not None:
+                self._release_range(self._own_range)
+            self._own_range = None
+        except cuda_api.CudaError as exc:
+            log.error("rank %d: releasing the composite views or the segment failed: %s", self.rank, exc)
+
+
+def local_vmm_mapping(rank: int, device, driver=None) -> str:
+    """What this rank's device can export: "vmm-fabric", "vmm-posix-fd" or "ipc" (one log line,
+    dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it.
+    Not yet run on a GPU."""
+    device = torch.device(device)
+    # POSIX fds reach peers either way: pidfd_getfd, or an SCM_RIGHTS socket where Yama refuses it.
+    return choose_mapping(Vmm(device.index or 0, driver), rank)
 
 
 def _symmetric_memory_module():

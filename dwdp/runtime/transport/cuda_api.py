@@ -109,8 +109,11 @@ def _check_driver(call: str, fn, *args):
         try:
             name = _decode(drv.cuGetErrorName(err)[1])
             text = _decode(drv.cuGetErrorString(err)[1])
-        except Exception:
-            name, text = f"CUresult_{int(err)}", "unknown error"
+        except Exception:  # no libcuda to ask: the enum still names the code
+            try:
+                name, text = drv.CUresult(int(err)).name, "(no driver to describe it)"
+            except ValueError:
+                name, text = f"CUresult_{int(err)}", "unknown error"
         raise CudaError(call, int(err), name, text)
     outputs = result[1:]
     return outputs[0] if len(outputs) == 1 else outputs
@@ -244,6 +247,25 @@ def event_wait(event: int, timeout_s: float) -> float:
 
 
 # -- copies --------------------------------------------------------------------------------------
+class _DeviceBytes:
+    """`nbytes` at device address `ptr`, as torch reads foreign device memory (`__cuda_array_interface__`)."""
+
+    def __init__(self, ptr: int, nbytes: int):
+        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(ptr, False), version=3,
+                                             strides=None)
+
+
+def tensor_at(ptr: int, nbytes: int, device) -> "torch.Tensor":
+    """uint8 [nbytes] over device memory this process mapped itself (cuMemMap): torch does not own it,
+    so it stays valid only until the mapping is unmapped. Not yet run on a GPU."""
+    import torch
+
+    if nbytes < 1:
+        raise ValueError(f"tensor_at(ptr={ptr:#x}, nbytes={nbytes}): nbytes must be >= 1")
+    require()  # without a driver: the one clear error, not torch's "Cannot initialize CUDA"
+    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+
+
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
     rt, _ = _bindings()
     _check("cudaMemcpyAsync", rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDefault, stream),

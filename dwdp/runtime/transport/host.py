@@ -128,6 +128,15 @@ class _HostTicket(Ticket):
         self.copy_unclaimed(ready)
         return super()._wait_until(ready, timeout, what)
 
+    def _finish_slices(self, slices) -> None:
+        super()._finish_slices(slices)
+        with self._cond:
+            if self._left_total == 0:
+                # Every byte landed: the views of peers' segments are no longer needed. A ticket can
+                # outlive its copy for many forwards (a slot that keeps its layer), and its views would
+                # keep a lost peer's segment mapped.
+                self._batches = []
+
 
 class HostTransport(Transport):
     """The `host` backend (see the module docstring). inflight: copier threads; copy_batches: most
@@ -172,6 +181,13 @@ class HostTransport(Transport):
         self._fd = os.open(path, os.O_RDWR)
         self._segment = map_file(str(path), max(nbytes, 1))[:nbytes]
         return self._segment
+
+    def segment_fd(self) -> int:
+        """A new read-write descriptor of this rank's segment file (the caller closes it), for
+        mapping its pages elsewhere (composite views). Only before seal: the name goes then."""
+        if self._path is None:
+            raise RuntimeError(f"rank {self.rank}: segment_fd() needs an allocated, unsealed segment")
+        return os.open(self._path, os.O_RDWR)
 
     def register(self) -> dict:
         if self._path is None:

@@ -1,0 +1,139 @@
+"""DWDPModel on the cuda backend's code in composite mode, on a CPU: two spawned ranks whose transports
+are CudaTransport over the recording fakes (tests/fake_cuda.py's EagerFakeCudaApi for the runtime API,
+tests/fake_cuda_vmm.py's HostBackedDriver for cuMem), the model's tensors on the CPU. What runs is
+dwdp's own setup (VMM probe, the group's mapping choice, cuMemCreate segment, views, export, pidfd_getfd
+import), the prefetch's copies into the views, and the model's experts implementation on the views; the
+logits must match the unwrapped model. Not yet run on a GPU.
+"""
+import logging
+
+import pytest
+import torch
+
+from dwdp.models.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel, _choose_composite, _cuda_mapping
+from dwdp.runtime.transport.host_composite import composite_unsupported_reason
+from logits_check import check_logits
+
+pytestmark = pytest.mark.skipif(composite_unsupported_reason() is not None,
+                                reason=str(composite_unsupported_reason()))
+PAGE = 4096
+
+
+def _fake_cuda_backend(drivers: list) -> None:
+    """Route DWDPModel's cuda backend to the fakes (in this process only)."""
+    import dwdp.runtime.model as model_module
+    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport.cuda import CudaTransport
+    from dwdp.runtime.transport.cuda_vmm import Vmm, choose_mapping
+    from fake_cuda import EagerFakeCudaApi, FakeDevice
+    from fake_cuda_vmm import HostBackedDriver
+
+    def make_transport(backend, rank, config, *, device=None, mapping="ipc", process_group=None):
+        assert backend == "cuda", backend
+        drivers.append(HostBackedDriver(PAGE))
+        return CudaTransport(rank, "cpu", copy=config.cuda_copy, copy_batches=config.copy_batches, mapping=mapping,
+                             api=EagerFakeCudaApi(FakeDevice(), rank), driver=drivers[-1])
+
+    model_module.resolve_backend = lambda backend, device: "cuda"
+    model_module.make_transport = make_transport
+    cuda_transport.local_vmm_mapping = lambda rank, device: choose_mapping(Vmm(0, HostBackedDriver(PAGE)), rank,
+                                                                           imex=False)
+
+
+def _rank(rank: int) -> dict:
+    torch.set_num_threads(1)
+    drivers: list = []
+    _fake_cuda_backend(drivers)
+    group = init_group(2)
+    gen = torch.Generator().manual_seed(90 + rank)
+    ids = [torch.randint(3, 128, (2, 6 + i), generator=gen) for i in range(2)]
+    out = {}
+    cases = [("mixtral", "composite", {}), ("qwen3_moe", "auto", dict(num_local_experts=5)),
+             ("gpt_oss", "composite", {})]
+    for index, (family, kernel, extra) in enumerate(cases):
+        model = build_tiny_model(family, seed=40 + index, num_hidden_layers=3)
+        reference = build_tiny_model(family, seed=40 + index, num_hidden_layers=3)
+        with torch.no_grad():
+            want = [reference(input_ids=x).logits for x in ids]
+        with DWDPModel(model, DWDPConfig(slice_bytes=1000, experts_kernel=kernel, **extra), group) as wrapped, \
+                torch.no_grad():
+            got = [wrapped(input_ids=x).logits for x in ids]
+            driver = drivers[-1]
+            r = dict(kernel=wrapped.experts_kernel, mapping=wrapped.transport.mapping,
+                     plans=wrapped.stats.plans_issued, layers=len(wrapped.experts_layers),
+                     access=len(driver.access), reserved=len(driver.reserved),
+                     imports=driver.names().count("cuMemImportFromShareableHandle"), errors=list(driver.errors))
+        r.update(diff=max((g - w).abs().max().item() for g, w in zip(got, want)),
+                 scale=max(w.abs().max().item() for w in want),
+                 left=(len(driver.mapped), len(driver.reserved), len(driver.memory)), errors_after=list(driver.errors))
+        out[f"{family}:{kernel}"] = r
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return launch_local(_rank, 2, timeout_s=240)
+
+
+@pytest.mark.timeout(260)
+def test_two_rank_cuda_model_in_composite_mode_matches_the_unwrapped_model(results):
+    for rank, out in enumerate(results):
+        assert set(out) == {"mixtral:composite", "qwen3_moe:auto", "gpt_oss:composite"}
+        for name, r in out.items():
+            assert r["kernel"] == "composite" and r["mapping"] == "vmm-posix-fd", (name, r)
+            assert r["plans"] > 0, f"{name}: no prefetch ran"
+            check_logits(name, r, rank)
+            # The segment, one range of views (all layers), the peer's import; one set-access per
+            # segment, layer and import.
+            assert r["reserved"] == 3 and r["access"] == 1 + r["layers"] + 1, (name, r)
+            assert r["imports"] == 1 and not r["errors"] and not r["errors_after"], (name, r)
+            assert r["left"] == (0, 0, 0), f"{name}: close left mappings/ranges/allocations {r['left']}"
+
+
+class _Answers:
+    """A group whose all-gather returns fixed (host, mapping) answers; this rank's mapping is checked
+    against its slot (its host is this machine's name, which the answers stand in for)."""
+
+    def __init__(self, rank, answers):
+        self.rank, self.answers = rank, answers
+
+    def all_gather_object(self, mine):
+        assert mine[1] == self.answers[self.rank][1], (mine, self.answers)
+        return list(self.answers)
+
+
+@pytest.mark.parametrize("local, answers, requested, want", [
+    ("vmm-posix-fd", [("a", "vmm-posix-fd"), ("a", "vmm-posix-fd")], "auto", "vmm-posix-fd"),
+    ("vmm-fabric", [("a", "vmm-fabric"), ("b", "vmm-fabric")], "auto", "vmm-fabric"),    # across trays
+    ("vmm-fabric", [("a", "vmm-fabric"), ("a", "vmm-posix-fd")], "auto", "vmm-posix-fd"),
+    ("vmm-posix-fd", [("a", "vmm-posix-fd"), ("a", "ipc")], "auto", "ipc"),              # one rank refused
+    ("vmm-posix-fd", [("a", "vmm-posix-fd"), ("b", "vmm-posix-fd")], "auto", "symmetric_memory"),
+])
+def test_the_group_settles_on_a_mapping_every_rank_can_use(monkeypatch, local, answers, requested, want):
+    from dwdp.runtime.transport import cuda as cuda_transport
+
+    monkeypatch.setattr(cuda_transport, "local_vmm_mapping", lambda rank, device: local)
+    assert _cuda_mapping(requested, "auto", _Answers(0, answers), torch.device("cuda", 0)) == want
+
+
+def test_vmm_across_hosts_without_fabric_is_refused(monkeypatch):
+    from dwdp.runtime.transport import cuda as cuda_transport
+
+    monkeypatch.setattr(cuda_transport, "local_vmm_mapping", lambda rank, device: "vmm-posix-fd")
+    with pytest.raises(ValueError, match="cuda_mapping='vmm' across 2 hosts needs fabric handles"):
+        _cuda_mapping("vmm", "auto", _Answers(0, [("a", "vmm-posix-fd"), ("b", "vmm-posix-fd")]), torch.device("cuda"))
+
+
+def test_ipc_fallback_is_one_log_line_under_auto_and_an_error_for_composite(caplog):
+    with caplog.at_level(logging.INFO, logger="dwdp"):
+        assert _choose_composite("auto", "cuda", 1, "ipc") is False
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 1:")]
+    assert len(lines) == 1 and "multi-buffer" in lines[0] and "'ipc'" in lines[0], lines
+    with pytest.raises(ValueError, match="experts_kernel='composite' cannot run here: the cuda backend maps peers "
+                                         "with 'ipc'"):
+        _choose_composite("composite", "cuda", 0, "ipc")
+    assert _choose_composite("auto", "cuda", 0, "vmm-posix-fd") is True
+    assert _choose_composite("triton", "cuda", 0, "vmm-posix-fd") is False

@@ -1,0 +1,306 @@
+"""The cuda transport with VMM mappings and composite views, on a CPU through both recording fakes:
+tests/fake_cuda.py (runtime API: streams, events, copies by memmove) and tests/fake_cuda_vmm.py's
+HostBackedDriver (driver API: cuMem allocations that are memfds mapped at the addresses handed out).
+Ranks live in one process, each with a driver of its own; POSIX fds move with the real pidfd_getfd.
+Not yet run on a GPU: these check the calls and bytes as written, not a device.
+
+Legend: g = granularity, E = experts, G = ranks.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+from cuda.bindings import driver as real
+
+from dwdp.runtime.composite import build_composite_plan, composite_layouts
+from dwdp.runtime.placement import build_placement
+from dwdp.runtime.transport.base import PrefetchError
+from dwdp.runtime.transport.cuda import CudaTransport
+from fake_cuda import FakeCudaApi, FakeDevice
+from fake_cuda_vmm import GRANULARITY, HostBackedDriver
+
+PAGE = 4096
+CASES = {  # granularity, bytes of one expert's tensors (not multiples of g: boundary pages are shared)
+    "page": (PAGE, (3000, 1700)),
+    "2MiB": (GRANULARITY, (700_001, 300_003)),
+}
+
+
+class VmmGroup:
+    """G cuda transports with mapping='vmm-posix-fd', segments filled with the owned experts of
+    seeded [E * nb] tensors, handles exchanged as the setup's all-gather would, opened and sealed."""
+
+    def __init__(self, case="page", E=8, G=3, L=None, num_layers=2, slice_bytes=1000):
+        g, self.nbytes = CASES[case]
+        self.E, self.G, self.num_layers, self.slice_bytes = E, G, num_layers, slice_bytes
+        self.placement = build_placement(E, G, L)
+        self.layouts = composite_layouts(self.placement, num_layers, self.nbytes, g, num_slots=2)
+        gen = torch.Generator().manual_seed(11)
+        self.stacked = [[torch.randint(0, 256, (E * nb,), dtype=torch.uint8, generator=gen) for nb in self.nbytes]
+                        for _ in range(num_layers)]  # [layer][tensor]: the unwrapped model's bytes
+        self.device = FakeDevice()
+        self.drivers = [HostBackedDriver(g) for _ in range(G)]
+        self.apis = [FakeCudaApi(self.device, r) for r in range(G)]
+        self.transports = [CudaTransport(r, "cpu", copy="batch", copy_batches=3, mapping="vmm-posix-fd",
+                                         api=self.apis[r], driver=self.drivers[r]) for r in range(G)]
+        self.segments, self.views = [], []
+        for r, t in enumerate(self.transports):
+            layout = self.layouts[r]
+            segment = t.alloc_segment(layout.segment_nbytes)
+            self.views.append(t.composite_views(layout))
+            for layer in range(num_layers):
+                for k, nb in enumerate(self.nbytes):
+                    for e in self.placement.owned[r]:
+                        at = layout.segment_offset(layer, e, k)
+                        segment[at:at + nb] = self.stacked[layer][k][e * nb:(e + 1) * nb]
+            self.segments.append(segment)
+        self.setup_calls = [len(d.calls) for d in self.drivers]
+        self.handles = [t.register() for t in self.transports]
+
+    def open(self):
+        for t in self.transports:
+            t.open(self.handles)
+        for t in self.transports:  # after the setup barrier
+            t.seal()
+        return self
+
+    def prefetch(self, rank: int, layer: int):
+        plan = build_composite_plan(self.layouts, rank, layer, self.slice_bytes)
+        ticket = self.transports[rank].submit(plan, self.views[rank].layer_range(layer))
+        ticket.synchronize(5.0)
+        return plan
+
+    def view_bytes(self, rank: int, layer: int, k: int) -> torch.Tensor:
+        return self.views[rank].view(layer, k, torch.uint8, (self.E * self.nbytes[k],))
+
+    def close(self):
+        for t in self.transports:
+            t.close()
+
+
+def _open_fds() -> set[int]:
+    return set(int(x) for x in os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("E,G,L", [(8, 3, None), (7, 3, 3), (8, 2, 5)])  # even, non-dividing, redundant
+def test_prefetch_fills_the_views_bit_exact_and_local_experts_are_never_copied(case, E, G, L):
+    group = VmmGroup(case, E, G, L).open()
+    for r in range(G):
+        for layer in range(group.num_layers):
+            group.prefetch(r, layer)
+            for k in range(len(group.nbytes)):
+                assert torch.equal(group.view_bytes(r, layer, k), group.stacked[layer][k]), (r, layer, k)
+    # Zero copy: a write through the segment is what the view reads, at once.
+    layout, r = group.layouts[0], 0
+    e = group.placement.owned[r][0]
+    at = layout.segment_offset(1, e, 0)
+    group.segments[r][at:at + 16] = torch.arange(16, dtype=torch.uint8)
+    nb = group.nbytes[0]
+    assert torch.equal(group.view_bytes(r, 1, 0)[e * nb:e * nb + 16], torch.arange(16, dtype=torch.uint8))
+    group.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_copies_write_inside_the_views_and_read_inside_the_peers_imports(case):
+    group = VmmGroup(case).open()
+    rank, layer = 1, 1
+    t, views, layout = group.transports[rank], group.views[rank], group.layouts[rank]
+    start = len(group.device.calls)
+    plan = group.prefetch(rank, layer)
+    batches = [args for r, name, args in group.device.calls[start:] if r == rank and name == "prepare_batch"]
+    assert batches, "no copy was prepared"
+    lo = views.layer_pointer(layer)
+    imports = {p: t._peer_ranges[p] for p in range(group.G) if p != rank}
+    owned = set(group.placement.owned[rank])
+    copied = 0
+    for dsts, srcs, sizes, _ in batches:
+        for dst, src, n in zip(dsts, srcs, sizes):
+            copied += n
+            assert lo <= dst and dst + n <= lo + layout.layer_nbytes, "a copy writes outside the layer's views"
+            assert any(m.ptr <= src and src + n <= m.ptr + m.nbytes for m in imports.values()), \
+                "a copy reads outside every peer's imported mapping"
+            # Never onto a local expert's bytes: those are the segment itself.
+            off = dst - lo
+            k = max(i for i, s in enumerate(layout.view_start) if s <= off)
+            nb = group.nbytes[k]
+            first, last = (off - layout.view_start[k]) // nb, (off + n - 1 - layout.view_start[k]) // nb
+            assert not owned & set(range(first, last + 1)), f"a copy writes local experts {owned & set(range(first, last + 1))}"
+    assert copied == plan.nbytes
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_call_sequence_sizes_alignments_and_one_set_access_per_range(case):
+    group = VmmGroup(case).open()
+    g = group.layouts[0].granularity
+    for r, driver in enumerate(group.drivers):
+        layout, names = group.layouts[r], driver.names()
+        assert not driver.errors, driver.errors
+        # Setup: the segment (created, mapped whole, one set-access), the views, the export, then one
+        # import + reserve + map + set-access per peer.
+        seg_size = -(-layout.segment_nbytes // g) * g
+        creates = [args for name, args in driver.calls if name == "cuMemCreate"]
+        assert creates[0][0] == seg_size and creates[1][0] == layout.pool_nbytes
+        assert creates[0][1].requestedHandleTypes == \
+            real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        assert names[:5] == ["cuMemGetAllocationGranularity", "cuMemCreate", "cuMemAddressReserve", "cuMemMap",
+                             "cuMemSetAccess"]
+        assert names.count("cuMemExportToShareableHandle") == 1
+        assert names.count("cuMemImportFromShareableHandle") == group.G - 1
+        for name, args in driver.calls:
+            if name == "cuMemAddressReserve":
+                size, alignment, _, _ = args
+                assert size % g == 0 and alignment % g == 0 and alignment >= g
+        # One set-access per reserved range, covering it whole: the segment, each layer's views, each import.
+        ranges = sorted(driver.reserved.items())
+        own = group.transports[r]._own_range
+        layer_ranges = [(group.views[r].layer_pointer(x), layout.layer_nbytes) for x in range(layout.num_layers)]
+        imports = [(m.ptr, m.nbytes) for m in group.transports[r]._peer_ranges.values()]
+        assert sorted(driver.access) == sorted([(own.ptr, own.nbytes), *layer_ranges, *imports])
+        assert len(driver.access) == 1 + layout.num_layers + group.G - 1
+        assert len(ranges) == 1 + 1 + group.G - 1  # the segment, the views (all layers), each import
+    group.close()
+
+
+def test_seal_closes_the_exported_fds_and_close_releases_everything_in_reverse():
+    before = _open_fds()
+    group = VmmGroup("page")
+    exported = [h["fd"] for h in group.handles]
+    assert all(h["pid"] == os.getpid() and h["alloc_nbytes"] > 0 for h in group.handles)
+    group.open()
+    for fd in exported:
+        with pytest.raises(OSError):
+            os.fstat(fd)  # sealed: the exporter's fd is closed (each peer holds its own import)
+    group.prefetch(0, 0)
+    marks = [len(d.calls) for d in group.drivers]
+    group.close()
+    for r, driver in enumerate(group.drivers):
+        assert not driver.errors, driver.errors
+        assert not driver.mapped and not driver.reserved and not driver.memory, f"rank {r} left something behind"
+        tail = driver.names()[marks[r]:]
+        maps = sum(len(group.layouts[r].map_runs(x)) for x in range(group.num_layers))
+        per_import = ["cuMemUnmap", "cuMemAddressFree", "cuMemRelease"]
+        # The reverse of setup: imports (last opened first), the views, then the segment.
+        assert tail == per_import * (group.G - 1) + ["cuMemUnmap"] * maps + ["cuMemAddressFree", "cuMemRelease"] \
+            + per_import, tail
+    del group, driver  # the fake's own mmaps hold a descriptor each until they are freed
+    gc.collect()
+    assert _open_fds() <= before, "file descriptors leaked"
+
+
+def test_where_yama_refuses_pidfd_getfd_the_fds_go_over_a_socket_until_seal(monkeypatch):
+    import threading
+
+    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport.cuda_vmm import fetch_fd
+
+    def refused(pid, fd):
+        raise AssertionError("pidfd_getfd used although Yama refuses it")
+
+    monkeypatch.setattr(cuda_transport, "pidfd_getfd_refused", lambda: "Yama ptrace_scope=1 (test)")
+    monkeypatch.setattr(cuda_transport, "pidfd_getfd", refused)
+    before, threads = _open_fds(), threading.active_count()
+    group = VmmGroup("2MiB")
+    names = [h["socket"] for h in group.handles]
+    assert all(name.startswith(f"dwdp-vmm-{os.getpid()}-") for name in names) and len(set(names)) == group.G
+    group.open()
+    for r in range(group.G):
+        group.prefetch(r, 1)
+        for k in range(len(group.nbytes)):
+            assert torch.equal(group.view_bytes(r, 1, k), group.stacked[1][k]), (r, k)
+    for name in names:  # sealed: nobody serves the fd any more
+        with pytest.raises(OSError):
+            fetch_fd(name, timeout_s=1.0)
+    assert threading.active_count() == threads, "a server thread outlived seal"
+    group.close()
+    del group
+    gc.collect()
+    assert _open_fds() <= before, "file descriptors leaked"
+
+
+def test_a_peer_whose_fd_cannot_be_taken_is_named_and_nothing_leaks():
+    before = _open_fds()
+    group = VmmGroup("page")
+    bad = dict(group.handles[2], fd=group.handles[2]["fd"] + 10_000)  # not an open fd of that process
+    handles = [*group.handles[:2], bad]
+    with pytest.raises(PrefetchError, match=r"rank 0: cannot import the segment of peer 2 .*pidfd_getfd"):
+        group.transports[0].open(handles)
+    assert group.drivers[0].names().count("cuMemImportFromShareableHandle") == 1  # peer 1's, then released
+    for t in group.transports:
+        t.close()
+    for driver in group.drivers:
+        assert not driver.mapped and not driver.reserved and not driver.memory and not driver.errors
+    del group, driver, bad, handles, t  # the fake's own mmaps hold a descriptor each until they are freed
+    gc.collect()
+    assert _open_fds() <= before, "file descriptors leaked"
+
+
+def test_forgetting_a_peer_releases_its_import_once_its_copies_have_run():
+    group = VmmGroup("page").open()
+    t, driver = group.transports[0], group.drivers[0]
+    peer = 1
+    imported = t._peer_ranges[peer]
+    group.device.stalled.add(t._stream)  # a copy from the peer is still on the copy stream
+    plan = build_composite_plan(group.layouts, 0, 0, group.slice_bytes)
+    t.submit(plan, group.views[0].layer_range(0))
+    t.forget_peer(peer)
+    assert imported.ptr in driver.mapped, "unmapped under a copy still in flight"
+    group.device.stalled.clear()
+    group.device.run()
+    t._unmap_landed()
+    assert imported.ptr not in driver.mapped and imported.handle not in driver.memory
+    assert peer not in t._peer_ranges
+    group.close()
+    assert not group.drivers[0].errors and not group.drivers[0].memory
+
+
+def test_composite_views_need_a_vmm_mapping():
+    device = FakeDevice()
+    t = CudaTransport(0, "cpu", mapping="ipc", api=FakeCudaApi(device, 0))
+    t.alloc_segment(4096)
+    with pytest.raises(ValueError, match="mapping='ipc' has no cuMem granularity"):
+        t.granularity()
+    with pytest.raises(RuntimeError, match="needs a VMM segment"):
+        t.composite_views(composite_layouts(build_placement(4, 2), 1, (100,), PAGE)[0])
+    t.close()
+    with pytest.raises(ValueError, match="mapping='nvlink' must be"):
+        CudaTransport(0, "cpu", mapping="nvlink", api=FakeCudaApi(device, 0))
+
+
+FAKED = ["cuMemCreate", "cuMemExportToShareableHandle", "cuMemImportFromShareableHandle", "cuMemAddressReserve",
+         "cuMemMap", "cuMemUnmap", "cuMemAddressFree", "cuMemRelease"]
+
+
+@pytest.mark.parametrize("name", FAKED)
+def test_host_backed_fake_keeps_the_real_signatures(name):
+    import inspect
+
+    want = list(inspect.signature(getattr(real, name)).parameters)
+    got = list(inspect.signature(getattr(HostBackedDriver, name)).parameters)[1:]  # less self
+    assert got == want, f"{name}: fake takes {got}, the bindings take {want}"
+
+
+@pytest.mark.no_cuda_driver
+def test_every_driver_call_of_the_lifecycle_gets_the_no_driver_error_from_the_real_bindings():
+    """The real bindings check argument types before they load libcuda (a wrong type is a TypeError
+    here, V): every call the transport made, replayed with its arguments, must reach the driver load."""
+    from dwdp.runtime.transport.cuda_api import NoCudaDriverError, _check_driver
+
+    group = VmmGroup("page").open()
+    group.prefetch(0, 0)
+    group.transports[0].forget_peer(2)
+    group.close()
+    calls = [call for driver in group.drivers for call in driver.calls]
+    names = {name for name, _ in calls}
+    assert set(FAKED) | {"cuMemGetAllocationGranularity", "cuMemSetAccess"} <= names, sorted(names)
+    for name, args in calls:
+        if name == "cuMemImportFromShareableHandle":
+            args = (3, args[1])  # the fd it was given is closed by now; any int is one to the bindings
+        with pytest.raises(NoCudaDriverError):
+            _check_driver(name, getattr(real, name), *args)
+    fabric = real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC  # the fabric import takes the 64 bytes
+    with pytest.raises(NoCudaDriverError):
+        _check_driver("cuMemImportFromShareableHandle", real.cuMemImportFromShareableHandle, bytes(64), fabric)
