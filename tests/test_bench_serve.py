@@ -44,10 +44,12 @@ def test_tiny_sweep_recomputes_from_its_samples(tmp_path):
                     assert row["computed_tokens"] == row["real_tokens"] == sum(s["tokens"] for s in samples), row
                 meta = data["meta"]
                 again = summarise(samples, row["offered_rps"], meta["ranks"], meta["slo_p99_s"], meta["duration_s"])
-                for key, value in again.items():
-                    assert row[key] == value, (mix, name, row["offered_rps"], key, row[key], value)
+                for key, value in again.items():  # NaN (no prompt served) equals NaN here
+                    same = row[key] == value or (row[key] != row[key] and value != value)
+                    assert same, (mix, name, row["offered_rps"], key, row[key], value)
                 ttft = [s["ttft_s"] for s in samples if s["ok"]]
-                assert row["ttft_p99_s"] == float(np.percentile(ttft, 99)) and row["ttft_p50_s"] <= row["ttft_p99_s"]
+                if ttft:
+                    assert row["ttft_p99_s"] == float(np.percentile(ttft, 99)) and row["ttft_p50_s"] <= row["ttft_p99_s"]
                 plans.setdefault(row["offered_rps"], []).append(sorted(s["tokens"] for s in samples))
             assert entry["max_load_at_slo"] == max_load_at_slo(entry["rows"])
         for rate, lengths in plans.items():

@@ -154,8 +154,9 @@ def test_every_token_count_of_every_format_launches_a_warmed_form(name, monkeypa
         if quant is not None and quant.format == "mxfp4":
             wrapped.warmup(forward=False)
             wrapped(input_ids=torch.randint(3, 128, (1, 16)))
-            assert wrapped.experts_kernel == "reference" and not recorder.launches, (wrapped.experts_kernel,
-                                                                                     len(recorder.launches))
+            # MXFP4 never reaches the Triton kernel: composite views (the default on Linux) or the reference path.
+            assert wrapped.experts_kernel in ("composite", "reference") and not recorder.launches, (
+                wrapped.experts_kernel, len(recorder.launches))
             return
         assert wrapped.experts_kernel == kernel, wrapped.experts_kernel
         _write_tuned_file(str(tmp_path), wrapped)

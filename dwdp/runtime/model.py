@@ -343,7 +343,9 @@ class DWDPModel(ModelWrapper):
             # The copies write into each layer's views; the slot only tells which pool pages they use.
             views = self.views
             # Empty: only their device matters (the routing's position table goes there).
-            slot_buffers = [torch.empty(0, dtype=torch.uint8, device=device) for _ in range(config.num_buffers)]
+            # A meta skeleton (from_pretrained) runs on the CPU, where the host backend's memory is.
+            where = torch.device("cpu") if device.type == "meta" else device
+            slot_buffers = [torch.empty(0, dtype=torch.uint8, device=where) for _ in range(config.num_buffers)]
             plans = CompositePlanCache(layouts, group.rank, config.slice_bytes_for(backend))
             prefetch_kwargs = dict(slot_of_layer=layouts[group.rank].slot,
                                    buffer_of=lambda layer, slot: views.layer_range(layer))
