@@ -8,7 +8,10 @@ Triton kernels run compiled wherever a CUDA GPU is usable and in the CPU interpr
                   the gpu tests run the same kernels compiled instead
   no_cuda_driver  checks what a machine without a usable CUDA driver answers; skipped where one exists
 """
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -17,6 +20,13 @@ HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# Each test process (each pytest-xdist worker) keeps its segments and boards in a directory of its own,
+# so a test that checks /dev/shm for leaks never sees what a test running beside it holds.
+if "DWDP_SHM_DIR" not in os.environ:
+    _shm_root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    os.environ["DWDP_SHM_DIR"] = tempfile.mkdtemp(prefix="dwdp-tests-", dir=_shm_root)
+    atexit.register(shutil.rmtree, os.environ["DWDP_SHM_DIR"], ignore_errors=True)
 
 # Modules whose kernel tests run Triton on CPU tensors.
 INTERPRETER_MODULES = {"test_grouped_gemm.py", "test_moe_kernel.py", "test_fp8_kernel.py", "test_experts_kernel.py",
