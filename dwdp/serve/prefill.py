@@ -9,7 +9,8 @@ is a piece of a later forward (beside other prompts' pieces) that attends to the
 the prompt's earlier chunks, which the worker keeps in an `InProgress` until the last chunk. The
 cache a forward runs with is a plain DynamicCache (full layers everywhere, so no key of a prompt is
 dropped by a sliding-window layer before it is cut out) holding the pieces' earlier chunks back to
-back; dwdp.serve.packed builds the row and the mask.
+back; dwdp.serve.packed builds the row and the mask, and attention runs piece by piece
+(dwdp.serve.varlen).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from transformers import DynamicCache
 
 from dwdp.serve.packed import Piece, attention_masks, pack
 from dwdp.serve.protocol import PrefillJob
+from dwdp.serve.varlen import PackedLayout, piecewise
 
 
 @dataclass
@@ -71,7 +73,8 @@ def packed_forward(model, pieces: list[Piece], prefixes: list) -> tuple[torch.Te
     cache = _prefix_cache(prefixes)
     cached = cache.get_seq_length() if any(p is not None for p in prefixes) else 0
     mask = attention_masks(model.config, packed, model_dtype(model), device)
-    with torch.inference_mode():
+    layout = PackedLayout.of([len(p.ids) for p in pieces], [p.start for p in pieces])
+    with torch.inference_mode(), piecewise(layout):
         out = model(input_ids=packed["input_ids"].to(device), position_ids=packed["position_ids"].to(device),
                     attention_mask=mask, cache=cache, use_cache=True,
                     logits_to_keep=torch.tensor(packed["last"], device=device))
