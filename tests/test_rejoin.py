@@ -46,8 +46,16 @@ def _config() -> DWDPConfig:
                       experts_kernel=os.environ.get("REJOIN_TEST_EXPERTS_KERNEL", "auto"))
 
 
+def _on_cuda_fakes() -> bool:
+    return os.environ.get("REJOIN_TEST_BACKEND") == "cuda"
+
+
 def _build(rank: int, steps: int):
     """(wrapped model, reference logits of every step) on fresh seeded inputs per rank and step."""
+    if _on_cuda_fakes():
+        from test_cuda_composite_model import _fake_cuda_backend
+
+        _fake_cuda_backend([])
     model = build_tiny_model("mixtral", seed=SEED, **MODEL)
     with torch.no_grad():
         reference = [model(**_inputs(rank, step)).logits for step in range(steps)]
@@ -122,9 +130,12 @@ def _rank(rank: int) -> dict | None:
             _forward(model, rank, step % steps, reference)
             step += 1
     victim_pid = model.failover.liveness.pid(VICTIM)
-    old_path = model.transport.peer_paths[VICTIM]
+    # The host keeps a mapping of the dead segment to poison; a cuMem import is released once
+    # forgotten (tests/test_cuda_rejoin.py checks that no copy reads it after the rejoin).
+    on_host = not _on_cuda_fakes()
+    old_path = model.transport.peer_paths[VICTIM] if on_host else ""
     out["old_path"] = old_path
-    kept = model.transport.peer_segment(VICTIM) if rank == 0 else None  # to poison it later
+    kept = model.transport.peer_segment(VICTIM) if rank == 0 and on_host else None  # to poison it later
     if rank == 0:
         moe = [m for m in model.model.modules() if hasattr(m, "_dwdp_runtime")]
 
@@ -150,7 +161,8 @@ def _rank(rank: int) -> dict | None:
         inbox, outbox = ctx.Queue(), ctx.Queue()
         env = {"RANK": str(VICTIM), "WORLD_SIZE": "3", "MASTER_ADDR": os.environ["MASTER_ADDR"],
                "MASTER_PORT": os.environ["MASTER_PORT"], "DWDP_REJOIN": "1",
-               "DWDP_SHM_DIR": os.environ["DWDP_SHM_DIR"]}
+               "DWDP_SHM_DIR": os.environ["DWDP_SHM_DIR"],
+               "REJOIN_TEST_BACKEND": os.environ.get("REJOIN_TEST_BACKEND", "host")}
 
         def rejoin_mid_forward(*_):
             hook.remove()
@@ -177,7 +189,7 @@ def _rank(rank: int) -> dict | None:
     out["sources_balanced"] = model.failover.plans.sources == model.placement.source[rank]
     status = model.check_peers()
     out["status"] = (dict(status.lost), dict(status.rejoins), status.redundancy, status.can_serve_all)
-    out["mapped_old"] = _mapped(old_path)
+    out["mapped_old"] = _mapped(old_path) if on_host else False
     if rank == 0:
         out["replacement_forwards"] = _expect(outbox, "forwards")
     dist.barrier(survivors)
@@ -190,12 +202,16 @@ def _rank(rank: int) -> dict | None:
 
 
 @pytest.mark.timeout(170)
-@pytest.mark.parametrize("experts_kernel", ["composite", "reference"])
-def test_a_killed_rank_restarts_rejoins_and_survivors_plan_it_back_in(tmp_path, experts_kernel):
+@pytest.mark.parametrize("experts_kernel, backend", [("composite", "host"), ("reference", "host"),
+                                                     ("composite", "cuda")])
+def test_a_killed_rank_restarts_rejoins_and_survivors_plan_it_back_in(tmp_path, experts_kernel, backend):
     """composite: the replacement reads its experts at the peers' composite offsets; reference: at
-    their segment-layout offsets (the multi-buffer path)."""
+    their segment-layout offsets (the multi-buffer path). cuda: the cuda transport's code over the
+    recording fakes (cuMem segments exported as POSIX fds, published on the board and kept open for
+    the replacement; not yet run on a GPU)."""
     results = launch_local(_rank, 3, timeout_s=150, may_die=(VICTIM,),
-                           env={"DWDP_SHM_DIR": str(tmp_path), "REJOIN_TEST_EXPERTS_KERNEL": experts_kernel})
+                           env={"DWDP_SHM_DIR": str(tmp_path), "REJOIN_TEST_EXPERTS_KERNEL": experts_kernel,
+                                "REJOIN_TEST_BACKEND": backend})
     assert results[VICTIM] is None, results[VICTIM]
     for rank in (0, 2):
         r = results[rank]

@@ -176,6 +176,8 @@ def _cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, device:
     """
     if requested not in ("auto", "vmm"):
         return requested
+    if group.rejoining:  # the group settled long ago, and a rejoining rank joins no all-gather
+        return _mapping_on_board(group)
     local = "ipc"
     if experts_kernel in ("auto", "composite"):
         from dwdp.runtime.transport import cuda as cuda_transport
@@ -191,6 +193,18 @@ def _cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, device:
         raise ValueError(f"cuda_mapping='vmm' across {len(hosts)} hosts needs fabric handles on every rank; "
                          f"the ranks offer {sorted(choices)}")
     return "symmetric_memory"
+
+
+def _mapping_on_board(group: DWDPGroup) -> str:
+    """The cuda mapping a running group settled on, as its live ranks' board entries name it."""
+    board = Board(group.group_id) if group.group_id else None
+    entries = [board.read(r) for r in range(group.size) if r != group.rank] if board is not None else []
+    mappings = sorted({e["segment"].get("mapping") for e in entries if e is not None})
+    if len(mappings) != 1:
+        raise ValueError(f"rank {group.rank} cannot rejoin on the cuda backend: the live entries on its group's board "
+                         f"(group_id={group.group_id!r}) name the mappings {mappings}; expected the one its peers "
+                         "share")
+    return mappings[0]
 
 
 class DWDPModel(ModelWrapper):
@@ -260,15 +274,18 @@ class DWDPModel(ModelWrapper):
         slots = slot_layout(placement, group.rank, tensor_nbytes)
         full_bytes = len(layers) * num_experts * sum(t.nbytes for t in first.spec.tensors)
 
-        # The board is where a restarted rank and its peers find each other (host segments only).
-        board = Board(group.group_id) if group.group_id and group.size > 1 and backend == "host" else None
-        if group.rejoining and board is None:
-            raise ValueError(f"rank {group.rank} cannot rejoin: the {backend} backend has no board "
-                             f"(group_id={group.group_id!r}, size {group.size})")
         transport = make_transport(backend, group.rank, config, device=device, mapping=mapping or "ipc",
                                    process_group=group.process_group)
         self.transport = transport
         self._finalizer = weakref.finalize(self, transport.close)
+        # The board is where a restarted rank and its peers find each other (segments a process started
+        # later can open: the host's, CUDA IPC and cuMem exports).
+        board = Board(group.group_id) if group.group_id and group.size > 1 and transport.can_rejoin else None
+        if group.rejoining and board is None:
+            transport.close()
+            raise ValueError(f"rank {group.rank} cannot rejoin: the {backend} backend"
+                             f"{f' with mapping {mapping!r}' if mapping else ''} has no board "
+                             f"(group_id={group.group_id!r}, size {group.size})")
         if use_composite:
             # Natural sizes, no padding: each view is the unwrapped model's contiguous [E, ...] tensor.
             # Pages: the host's, or the device's cuMem granularity (peers check theirs match at open).
@@ -326,12 +343,13 @@ class DWDPModel(ModelWrapper):
                 transport.open([handle for handle, _ in exchanged])
                 record, liveness = exchange_records(group, envs.shm_dir(), config.peer_timeout_s)
                 group.barrier()  # every peer has mapped our segment and record: their names can go
+            board_entry = transport.board_handle() if board is not None else None  # before seal: exports it keeps
             transport.seal()
             if record is not None:
                 record.seal()
                 record.start()
             if board is not None:
-                board.publish(group.rank, transport.board_handle(), record.board_handle(), checksum)
+                board.publish(group.rank, board_entry, record.board_handle(), checksum)
         except BaseException:
             transport.close()
             close_records(record, liveness)

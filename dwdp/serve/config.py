@@ -64,8 +64,9 @@ class ServeConfig:
         `fairness_s`).
     fairness_s: "shortest" only: a prompt queued this long goes first, whatever its length.
     restart: "on-failure" starts a dead worker again, as the same rank, which rejoins its DWDP group
-        (dwdp.serve.restarts); "never" leaves it dead. None: "on-failure" where a rank can rejoin (dwdp
-        mode on the CPU's host backend), "never" elsewhere.
+        (dwdp.serve.restarts); "never" leaves it dead. None: "on-failure" in dwdp mode on the CPU's host
+        backend, "never" elsewhere: on the cuda device a rank rejoins through CUDA IPC or cuMem exports,
+        which have not yet run on a GPU, so it is only on when asked for.
     restart_backoff_s: delay before a worker's first restart in a minute; doubles with each further one.
     max_restarts_per_minute: restarts of one rank within a minute; one more death leaves it down.
     forwards: "auto" (packed when the family's attention packs, dwdp.serve.packed.packing_support,
@@ -152,9 +153,9 @@ class ServeConfig:
         _check_seconds("fairness_s", self.fairness_s)
         if self.restart is not None and self.restart not in RESTARTS:
             raise ValueError(f"restart={self.restart!r} is not one of {RESTARTS}")
-        if self.restart == "on-failure" and (self.mode != "dwdp" or self.device != "cpu"):
-            raise ValueError(f"restart='on-failure' needs a rank that can rejoin its group: dwdp mode on the cpu "
-                             f"device (got mode={self.mode!r}, device={self.device!r}); use restart='never'")
+        if self.restart == "on-failure" and self.mode != "dwdp":
+            raise ValueError(f"restart='on-failure' needs a rank that can rejoin its group: dwdp mode (got "
+                             f"mode={self.mode!r}); use restart='never'")
         _check_seconds("restart_backoff_s", self.restart_backoff_s)
         _check_int("max_restarts_per_minute", self.max_restarts_per_minute, 1)
         if self.forwards not in FORWARDS:

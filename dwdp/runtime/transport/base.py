@@ -249,13 +249,18 @@ class Transport(ABC):
         """`peer` was lost and no plan reads it any more: drop its mapping once no copy in flight
         reads it, so its memory goes with the last survivor that read it."""
 
+    @property
+    def can_rejoin(self) -> bool:
+        """Whether a process started later can open this rank's segment (board_handle / open_peer)."""
+        return False
+
     def board_handle(self) -> dict:
         """A handle a process started later can open (a rank rejoining the group): see dwdp.runtime.board."""
-        raise NotImplementedError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
+        raise ValueError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
 
     def open_peer(self, peer: int, handle: dict) -> None:
         """Map the segment of a new incarnation of the forgotten peer `peer` (it rejoined)."""
-        raise NotImplementedError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
+        raise ValueError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
 
     def release_slot(self, slot: int) -> None:
         """Compute has issued its last read of prefetch slot `slot`. A device backend records the

@@ -55,6 +55,13 @@ log = logging.getLogger("dwdp")
 
 # Mapping -> the cuMem handle type its segments are exported as (composite views need one of these).
 VMM_MAPPINGS = MappingProxyType({"vmm-posix-fd": "posix_fd", "vmm-fabric": "fabric"})
+# Mappings whose export a process started later can open (a rank rejoining the group through the board).
+REJOINABLE_MAPPINGS = ("ipc", "vmm-posix-fd", "vmm-fabric")
+
+
+def _raw_bytes(value: bytes | str) -> bytes:
+    """Handle bytes as exchanged at setup (bytes) or read from the board's JSON (hex)."""
+    return bytes.fromhex(value) if isinstance(value, str) else bytes(value)
 
 
 @dataclass(frozen=True)
@@ -254,13 +261,16 @@ class CudaTransport(Transport):
         self._slot_events: dict[int, tuple[int, ...]] = {}  # slot -> one event per batch
         self._prepared_plans: dict[tuple[int, int, int], _PreparedPlan] = {}  # (layer, slot, slot ptr)
         self._forgotten: set[int] = set()        # lost peers no copy may read any more
-        self._unmap_after: list[tuple[int, int]] = []  # (IPC base, fence event on the copy stream)
+        # (IPC base or retired VMM import, fence event on the copy stream): released once the fence has run
+        self._unmap_after: list[tuple[int | _VmmRange, int]] = []
         self._handle_type = VMM_MAPPINGS.get(mapping)
         self._vmm = Vmm(self.device.index or 0, driver) if self._handle_type is not None else None
         self._own_range: _VmmRange | None = None     # the segment's allocation, mapped for this rank
         self._peer_ranges: dict[int, _VmmRange] = {}  # peer -> its imported allocation, mapped
         self._exported_fd: int | None = None          # the segment's POSIX fd, open until seal
         self._fd_server: FdServer | None = None       # serves it over SCM_RIGHTS where pidfd_getfd is refused
+        self._handle: dict | None = None              # what register() exported
+        self._keep_export = False                     # board_handle() given: the export outlives seal
         self.views: CudaCompositeViews | None = None
         self._granularity: int | None = None
         self._closed = False
@@ -361,15 +371,19 @@ class CudaTransport(Transport):
                     handle["socket"] = name
             else:
                 handle["fabric"] = shareable  # 64 bytes, valid across the NVLink domain (IMEX)
+        self._handle = handle
         return handle
 
     def open(self, handles: list[dict]) -> None:
         if self._peer_ptrs:
             raise RuntimeError(f"rank {self.rank}: open() called twice")
+        missing = [r for r, handle in enumerate(handles) if handle is None and r != self.rank]
+        if missing and self.mapping not in REJOINABLE_MAPPINGS:
+            raise ValueError(f"rank {self.rank}: peers {missing} have no segment handle; only mappings "
+                             f"{REJOINABLE_MAPPINGS} open a group that lacks some of its ranks")
         for r, handle in enumerate(handles):
-            if handle.get("backend") != self.name or handle.get("mapping") != self.mapping:
-                raise ValueError(f"rank {self.rank}: peer {r} uses backend {handle.get('backend')!r} with mapping "
-                                 f"{handle.get('mapping')!r}, expected 'cuda' with {self.mapping!r}")
+            if handle is not None:
+                self._check_handle(r, handle)
         try:
             if self.mapping == "ipc":
                 ptrs = self._open_ipc(handles)
@@ -384,62 +398,74 @@ class CudaTransport(Transport):
             self._close_mappings()
             raise
         self._peer_ptrs = ptrs
-        self._peer_nbytes = [int(h["nbytes"]) for h in handles]
+        self._peer_nbytes = [int(h["nbytes"]) if h is not None else self._segment.numel() for h in handles]
+        self._forgotten.update(missing)  # lost before this rank joined: nothing is mapped for them
         log.info("rank %d: cuda transport on %s, peers mapped through %s (%s copies, up to %d batches per layer)",
                  self.rank, self.device, self.mapping, self.copy, self.copy_batches)
 
-    def _open_ipc(self, handles: list[dict]) -> list[int]:
+    def _check_handle(self, peer: int, handle: dict) -> None:
+        if handle.get("backend") != self.name or handle.get("mapping") != self.mapping:
+            raise ValueError(f"rank {self.rank}: peer {peer} uses backend {handle.get('backend')!r} with mapping "
+                             f"{handle.get('mapping')!r}, expected 'cuda' with {self.mapping!r}")
+
+    def _open_ipc(self, handles: list[dict | None]) -> list[int]:
         ptrs = []
         for r, handle in enumerate(handles):
             if r == self.rank:
                 ptrs.append(self._segment.data_ptr())  # one's own IPC handle cannot be opened
-                continue
-            try:
-                base = self.api.ipc_open(handle["ipc"])
-            except (cuda_api.CudaError, ValueError) as exc:
-                raise PrefetchError(
-                    f"rank {self.rank}: cannot map the segment of peer {r} (host {handle.get('host')}, device "
-                    f"{handle.get('device')}): {exc}"
-                ) from exc
-            self._opened.append(base)
-            self._peer_bases[r] = base
-            ptrs.append(base + int(handle["offset"]))
+            else:
+                ptrs.append(0 if handle is None else self._open_ipc_peer(r, handle))
         return ptrs
 
-    def _open_vmm(self, handles: list[dict]) -> list[int]:
+    def _open_ipc_peer(self, r: int, handle: dict) -> int:
+        try:
+            base = self.api.ipc_open(_raw_bytes(handle["ipc"]))
+        except (cuda_api.CudaError, ValueError) as exc:
+            raise PrefetchError(
+                f"rank {self.rank}: cannot map the segment of peer {r} (host {handle.get('host')}, device "
+                f"{handle.get('device')}): {exc}"
+            ) from exc
+        self._opened.append(base)
+        self._peer_bases[r] = base
+        return base + int(handle["offset"])
+
+    def _open_vmm(self, handles: list[dict | None]) -> list[int]:
         ptrs = []
         for r, handle in enumerate(handles):
             if r == self.rank:
                 ptrs.append(self._own_range.ptr)  # this rank's own mapping: nothing to import
-                continue
-            nbytes = int(handle["alloc_nbytes"])
-            if int(handle["granularity"]) != self.granularity():
-                # Every rank computed every layout with its own granularity: they must agree.
-                raise ValueError(f"rank {self.rank}: peer {r}'s cuMem granularity is {handle['granularity']}, this "
-                                 f"rank's {self.granularity()}; composite layouts need one granularity")
-            try:
-                if self._handle_type == "posix_fd":
-                    fd = fetch_fd(handle["socket"]) if "socket" in handle else \
-                        pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
-                    try:
-                        imported = self._vmm.import_(fd, "posix_fd")
-                    finally:
-                        os.close(fd)  # the imported handle keeps the allocation
-                else:
-                    imported = self._vmm.import_(handle["fabric"], "fabric")
-                try:
-                    ptr = self._map_whole(imported, nbytes)
-                except BaseException:
-                    self._vmm.release(imported)
-                    raise
-            except (cuda_api.CudaError, OSError, ValueError) as exc:
-                raise PrefetchError(
-                    f"rank {self.rank}: cannot import the segment of peer {r} (host {handle.get('host')}, device "
-                    f"{handle.get('device')}, {self.mapping}): {exc}"
-                ) from exc
-            self._peer_ranges[r] = _VmmRange(imported, ptr, nbytes)
-            ptrs.append(ptr)
+            else:
+                ptrs.append(0 if handle is None else self._open_vmm_peer(r, handle))
         return ptrs
+
+    def _open_vmm_peer(self, r: int, handle: dict) -> int:
+        nbytes = int(handle["alloc_nbytes"])
+        if int(handle["granularity"]) != self.granularity():
+            # Every rank computed every layout with its own granularity: they must agree.
+            raise ValueError(f"rank {self.rank}: peer {r}'s cuMem granularity is {handle['granularity']}, this "
+                             f"rank's {self.granularity()}; composite layouts need one granularity")
+        try:
+            if self._handle_type == "posix_fd":
+                fd = fetch_fd(handle["socket"]) if "socket" in handle else \
+                    pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
+                try:
+                    imported = self._vmm.import_(fd, "posix_fd")
+                finally:
+                    os.close(fd)  # the imported handle keeps the allocation
+            else:
+                imported = self._vmm.import_(_raw_bytes(handle["fabric"]), "fabric")
+            try:
+                ptr = self._map_whole(imported, nbytes)
+            except BaseException:
+                self._vmm.release(imported)
+                raise
+        except (cuda_api.CudaError, OSError, ValueError) as exc:
+            raise PrefetchError(
+                f"rank {self.rank}: cannot import the segment of peer {r} (host {handle.get('host')}, device "
+                f"{handle.get('device')}, {self.mapping}): {exc}"
+            ) from exc
+        self._peer_ranges[r] = _VmmRange(imported, ptr, nbytes)
+        return ptr
 
     def _open_process(self, handles: list[dict]) -> list[int]:
         own = self.device.index or 0
@@ -459,9 +485,64 @@ class CudaTransport(Transport):
         self._symmetric = symm.rendezvous(self._segment, self.process_group)
         return [int(p) for p in self._symmetric.buffer_ptrs]
 
+    @property
+    def can_rejoin(self) -> bool:
+        return self.mapping in REJOINABLE_MAPPINGS
+
+    def board_handle(self) -> dict:
+        """register()'s handle in JSON (bytes as hex), for the group's board: an IPC or fabric handle is
+        valid for as long as this process holds its segment; a POSIX fd export is kept open (and served
+        where Yama refuses pidfd_getfd) until close, so a rank started later can still take it. Call
+        before seal. Not yet run on a GPU."""
+        if not self.can_rejoin:
+            raise ValueError(f"rank {self.rank}: mapping {self.mapping!r} cannot be rejoined; expected one of "
+                             f"{REJOINABLE_MAPPINGS}")
+        if self._handle is None:
+            raise RuntimeError(f"rank {self.rank}: board_handle() before register()")
+        if self._handle_type == "posix_fd":
+            if self._exported_fd is None:
+                raise RuntimeError(f"rank {self.rank}: board_handle() after seal closed the exported fd")
+            self._keep_export = True
+        return {k: v.hex() if isinstance(v, bytes) else v for k, v in self._handle.items()}
+
+    def peer_segment(self, peer: int) -> torch.Tensor:
+        """`peer`'s mapped segment, uint8 [nbytes] on this device (a rejoining rank copies its experts from it)."""
+        if peer == self.rank or not 0 <= peer < len(self._peer_ptrs) or peer in self._forgotten:
+            raise ValueError(f"rank {self.rank}: peer {peer} has no mapped segment")
+        return self.api.tensor_at(self._peer_ptrs[peer], self._peer_nbytes[peer], self.device)
+
+    def open_peer(self, peer: int, handle: dict) -> None:
+        """Map the segment of a new incarnation of `peer` (lost, forgotten, then rejoined: `handle` is its
+        board_handle). Plans prepared while the old incarnation was mapped are dropped, so no copy ever
+        reads the dead process's mapping again. Not yet run on a GPU."""
+        if self._closed or not self._peer_ptrs:
+            raise RuntimeError(f"rank {self.rank}: open_peer() needs an open transport")
+        if peer == self.rank or not 0 <= peer < len(self._peer_ptrs):
+            raise ValueError(f"rank {self.rank}: cannot open peer {peer}; expected another rank of "
+                             f"[0, {len(self._peer_ptrs)})")
+        if peer not in self._forgotten:
+            raise RuntimeError(f"rank {self.rank}: peer {peer} is still mapped; forget_peer({peer}) first, so the "
+                               "segment of its dead process is never read again")
+        if not self.can_rejoin:
+            raise ValueError(f"rank {self.rank}: mapping {self.mapping!r} cannot be rejoined; expected one of "
+                             f"{REJOINABLE_MAPPINGS}")
+        self._check_handle(peer, handle)
+        if int(handle.get("nbytes", -1)) != self._peer_nbytes[peer]:
+            raise ValueError(f"rank {self.rank}: rejoining peer {peer} offers a segment of {handle.get('nbytes')} "
+                             f"bytes; expected {self._peer_nbytes[peer]}")
+        self._peer_ptrs[peer] = (self._open_ipc_peer(peer, handle) if self.mapping == "ipc"
+                                 else self._open_vmm_peer(peer, handle))
+        self._prepared_plans = {key: prepared for key, prepared in self._prepared_plans.items()
+                                if peer not in prepared.plan.peers}
+        self._forgotten.discard(peer)
+        self.faulty_peers = MappingProxyType({p: why for p, why in self.faulty_peers.items() if p != peer})
+
     def seal(self) -> None:
-        """Close the exported POSIX fd (every peer took its own copy before the setup barrier); nothing
-        else to unlink: an IPC export is not a name in a file system."""
+        """Close the exported POSIX fd (every peer took its own copy before the setup barrier) unless the
+        board hands it to ranks that join later; nothing else to unlink: an IPC export is not a name in
+        a file system."""
+        if self._keep_export and not self._closed:
+            return
         if self._fd_server is not None:
             self._fd_server.close()
             self._fd_server = None
@@ -596,13 +677,18 @@ class CudaTransport(Transport):
         if peer in self._forgotten:
             return
         self._forgotten.add(peer)
-        key = self._peer_bases.get(peer)
-        if key is None and peer in self._peer_ranges:
-            key = -1 - peer  # a VMM import: keyed by peer (negative: never an IPC base)
-        if key is not None and self._stream is not None:
-            fence = self.api.event_create()
-            self.api.event_record(fence, self._stream)
-            self._unmap_after.append((key, fence))
+        self._prepared_plans = {key: prepared for key, prepared in self._prepared_plans.items()
+                                if peer not in prepared.plan.peers}
+        mapping = self._peer_bases.pop(peer, None)
+        if mapping is None:
+            mapping = self._peer_ranges.pop(peer, None)  # a VMM import, retired until its fence has run
+        if mapping is not None:
+            if self._stream is not None:
+                fence = self.api.event_create()
+                self.api.event_record(fence, self._stream)
+                self._unmap_after.append((mapping, fence))
+            elif isinstance(mapping, _VmmRange):
+                self._release_range(mapping)  # nothing was ever enqueued from it
         self._unmap_landed()
 
     def _unmap_landed(self) -> None:
@@ -617,8 +703,8 @@ class CudaTransport(Transport):
                 waiting.append((base, fence))
                 continue
             self.api.event_destroy(fence)
-            if base < 0:  # a peer's imported allocation: it goes with the last importer's release
-                self._release_range(self._peer_ranges.pop(-1 - base))
+            if isinstance(base, _VmmRange):  # a peer's imported allocation: it goes with the last importer's release
+                self._release_range(base)
                 continue
             self._opened.remove(base)
             self.api.ipc_close(base)
@@ -664,8 +750,11 @@ class CudaTransport(Transport):
                 drained = False
                 log.error("rank %d: copies still in flight at close (%s); peer mappings are left to process exit",
                           self.rank, exc)
+        retired = [mapping for mapping, _ in self._unmap_after if isinstance(mapping, _VmmRange)]
         if drained:
             # Unmapping a peer's segment under a running copy would fault it: only once drained.
+            for mapping in retired:
+                self._release_range(mapping)
             self._close_mappings()
             self._close_own_vmm()
         else:
@@ -685,7 +774,7 @@ class CudaTransport(Transport):
                 pass
         self._stream = None
         self._peer_ptrs, self._segment, self._symmetric = [], None, None
-        if self._exported_fd is not None:  # closed without seal (a failed setup)
+        if self._exported_fd is not None:  # closed without seal (a failed setup), or kept for the board
             self.seal()
 
     def _close_own_vmm(self) -> None:

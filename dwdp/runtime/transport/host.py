@@ -194,6 +194,10 @@ class HostTransport(Transport):
             raise RuntimeError(f"rank {self.rank}: register() before alloc_segment()")
         return {"backend": self.name, "rank": self.rank, "path": str(self._path), "nbytes": self._segment.numel()}
 
+    @property
+    def can_rejoin(self) -> bool:
+        return True
+
     def board_handle(self) -> dict:
         """A handle that stays valid for as long as this process lives, names unlinked or not."""
         if self._fd is None:
