@@ -81,6 +81,28 @@ def test_a_killed_worker_is_restarted_rejoins_and_serves_again_with_no_request_l
 
 
 @pytest.mark.timeout(240)
+def test_the_worker_hosting_the_group_store_is_restarted_and_rejoins_too(server, model):
+    """Worker 0 hosts the process group's store (the setup's one collective). Nothing after setup
+    needs it: killed, it is started again, rejoins through the board, and serves; the server still
+    stops cleanly afterwards (the last test)."""
+    before = httpx.get(f"{server.url}/health", timeout=5).json()
+    victim, restarts = before["workers"][0]["pid"], before["workers"][0]["restarts"]
+    initial = before["redundancy"]
+    os.kill(victim, signal.SIGKILL)
+    back = wait_for(server, lambda h: h["workers"][0]["restarts"] == restarts + 1 and h["workers"][0]["routable"]
+                    and h["redundancy"] == initial, timeout_s=120)
+    w = back["workers"][0]
+    assert w["pid"] != victim and w["rejoins"] == 1 and w["expert_source"] == "peers", w
+    wait_for(server, lambda h: all(h["workers"][r]["peer_rejoins"].get("0") == 1 for r in (1, 2)))
+    ids_list = prompts(14, 9, 30)
+    answers = [_post(server, ids) for ids in ids_list]
+    assert [r.status_code for r in answers] == [200] * len(answers), [r.text for r in answers]
+    assert 0 in {r.json()["rank"] for r in answers}, "the restarted worker 0 got no request"
+    for ids, r in zip(ids_list, answers):
+        assert r.json()["first_token_id"] == first_token(model, ids), r.json()
+
+
+@pytest.mark.timeout(240)
 def test_a_worker_that_keeps_dying_is_left_down_with_its_reason(server, model):
     """Rank 2 loses its device (the fault hook): the router stops it and starts it again; then it is
     killed each time it comes up: restarted MAX_PER_MINUTE times in all with a growing back-off,

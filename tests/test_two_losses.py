@@ -1,0 +1,83 @@
+"""Two ranks of a group lost at once, across real processes: 4 ranks on the host backend with every
+expert on 3 of them; rank 3 is killed and rank 2's memory made unreadable at the same moment (rank 0
+in the middle of a forward, rank 1 between forwards). The survivors must keep serving every expert
+and match the unwrapped model.
+
+Rank 0 hosts the process-group store, so it lives; the survivors and rank 2 coordinate through
+process groups created while all four were alive.
+"""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch.distributed as dist
+
+from dwdp.runtime.group import launch_local
+from test_failover import _build, _forward, _wait_exit
+
+KILLED, UNREADABLE = 3, 2
+
+
+def _rank(rank: int) -> dict | None:
+    model, reference = _build(rank, replicas=3, steps=4)
+    survivors = dist.new_group([0, 1])  # every rank creates both, as torch.distributed requires
+    alive = dist.new_group([0, 1, 2])
+    out = {"first": _forward(model, rank, 0, reference),
+           "pulled_before": dict(model.stats.bytes_from_peer)}
+    killed_pid = model.failover.liveness.pid(KILLED) if rank != KILLED else os.getpid()
+    dist.barrier()
+    if rank == KILLED:
+        signal.sigtimedwait([signal.SIGUSR1], 100)  # nobody sends it: rank 0 kills this process meanwhile
+        return None
+    if rank == UNREADABLE:
+        model.inject_fault(UNREADABLE)  # its own device lost: its record says FAILED
+        dist.barrier(alive)              # the survivors are done with it
+        model.close()
+        return None
+
+    if rank == 0:
+        moe = [m for m in model.model.modules() if hasattr(m, "_dwdp_runtime")]
+
+        def mid_forward(*_):
+            hook.remove()
+            os.kill(killed_pid, signal.SIGKILL)
+            model.inject_fault(UNREADABLE)  # every copy from rank 2 fails from now on, naming it
+            _wait_exit(killed_pid)
+
+        hook = moe[1].register_forward_pre_hook(mid_forward)
+    else:
+        model.inject_fault(UNREADABLE)
+        _wait_exit(killed_pid)  # rank 0 kills it in its next forward
+    out["during"] = _forward(model, rank, 1, reference)
+    model.stats.reset()
+    out["after"] = [_forward(model, rank, step, reference) for step in (2, 3)]
+    out["pulled_after"] = dict(model.stats.bytes_from_peer)
+    status = model.check_peers()
+    out["status"] = (dict(status.lost), status.unservable_experts, status.can_serve_all)
+    dist.barrier(survivors)
+    dist.barrier(alive)
+    model.close()
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_two_simultaneous_losses_with_redundancy_3_keep_every_expert_served(tmp_path):
+    results = launch_local(_rank, 4, timeout_s=120, env={"DWDP_SHM_DIR": str(tmp_path)}, may_die=(KILLED,))
+    assert results[KILLED] is None and results[UNREADABLE] is None, results
+    for rank in (0, 1):
+        r = results[rank]
+        for name in ("first", "during"):
+            diff, bound = r[name]
+            assert diff <= bound, f"rank {rank} {name}: max|diff|={diff:.3e} > {bound:.3e}"
+        for step, (diff, bound) in enumerate(r["after"], start=2):
+            assert diff <= bound, f"rank {rank} step {step} after the losses: max|diff|={diff:.3e} > {bound:.3e}"
+        assert {KILLED, UNREADABLE} <= set(r["pulled_before"]), f"rank {rank} pulled only from {r['pulled_before']}"
+        assert set(r["pulled_after"]) == {1 - rank}, f"rank {rank} pulled from {r['pulled_after']} after the losses"
+        lost, unservable, can_serve_all = r["status"]
+        assert set(lost) == {KILLED, UNREADABLE}, (rank, lost)
+        assert "exited without closing" in lost[KILLED], lost
+        assert not unservable, unservable
+        assert can_serve_all, r["status"]
+    assert list(tmp_path.iterdir()) == [], f"left in the shm dir: {list(tmp_path.iterdir())}"
