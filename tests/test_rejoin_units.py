@@ -253,3 +253,26 @@ def test_an_entry_whose_pid_now_names_another_process_reads_as_gone(tmp_path):
     assert board.read(0) is None
     board.sweep(0)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_last_rank_to_withdraw_removes_a_board_a_dead_incarnation_left_its_entry_on(tmp_path):
+    """A worker killed after its survivors last looked leaves its entry; the last live rank to close
+    removes it with the board."""
+    board = Board("left-g0", tmp_path)
+    board.publish(0, {"path": "seg"}, {"path": "rec"}, 1)
+    (board.path / "rank2.json").write_text('{"pid": 999999999, "segment": {}, "record": {}, "dense_checksum": 1}')
+    board.withdraw(0)
+    assert list(tmp_path.iterdir()) == [], list(board.path.iterdir())
+
+
+def test_a_server_sweeps_boards_its_stopped_workers_left(tmp_path, monkeypatch):
+    from dwdp.serve.config import ServeConfig
+    from dwdp.serve.pool import WorkerPool
+
+    monkeypatch.setenv("DWDP_SHM_DIR", str(tmp_path))
+    left = tmp_path / f"{BOARD_PREFIX}127.0.0.1-1-g0"
+    left.mkdir()
+    (left / "rank1.json").write_text('{"pid": 999999999, "segment": {}, "record": {}, "dense_checksum": 1}')
+    pool = WorkerPool(ServeConfig(ranks=1), str(tmp_path / "kv"))  # never started: close stops nobody
+    pool.close()
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())

@@ -12,16 +12,30 @@ import os
 import signal
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from dwdp.runtime.group import launch_local
-from test_failover import _build, _forward, _wait_exit
+from dwdp.models.tiny import build_tiny_model
+from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.group import init_group, launch_local
+from dwdp.runtime.model import DWDPModel
+from test_failover import PEER_TIMEOUT_S, _forward, _inputs, _wait_exit
 
 KILLED, UNREADABLE = 3, 2
+# 12 experts on 4 ranks, each on 3: every survivor pulls some expert from each victim before the losses.
+MODEL = dict(num_experts=12, top_k=2, num_layers=3)
+
+
+def _build(rank: int, steps: int):
+    model = build_tiny_model("mixtral", seed=11, **MODEL)
+    with torch.no_grad():
+        reference = [model(**_inputs(rank, step)).logits for step in range(steps)]
+    config = DWDPConfig(slice_bytes=2048, expert_replicas=3, peer_timeout_s=PEER_TIMEOUT_S, wait_timeout_s=30)
+    return DWDPModel(model, config, init_group()), reference
 
 
 def _rank(rank: int) -> dict | None:
-    model, reference = _build(rank, replicas=3, steps=4)
+    model, reference = _build(rank, steps=4)
     survivors = dist.new_group([0, 1])  # every rank creates both, as torch.distributed requires
     alive = dist.new_group([0, 1, 2])
     out = {"first": _forward(model, rank, 0, reference),

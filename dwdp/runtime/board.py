@@ -121,6 +121,14 @@ class Board:
         self._remove_if_empty()
 
     def _remove_if_empty(self) -> None:
+        """Remove the board once no live process has an entry on it (dead ones are swept first: an
+        incarnation killed after its survivors last looked leaves its entry behind)."""
+        for file in self.path.glob("rank*.json"):
+            try:
+                if not _entry_alive(json.loads(file.read_text())):
+                    file.unlink(missing_ok=True)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced right now
         try:
             self.path.rmdir()
         except OSError:

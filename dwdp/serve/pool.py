@@ -28,7 +28,10 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from dwdp import envs
+from dwdp.runtime.board import sweep_stale_boards
 from dwdp.runtime.group import free_port
 from dwdp.serve.config import ServeConfig, prompt_limit
 from dwdp.serve.errors import ServeError
@@ -208,6 +211,8 @@ class WorkerPool:
                 if r.process.is_alive():
                     r.process.kill()
                     r.process.join(timeout=5.0)
+        # A worker killed after its peers last looked leaves its board entry (and so the board) behind.
+        sweep_stale_boards(Path(envs.shm_dir()))
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
