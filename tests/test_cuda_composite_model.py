@@ -97,6 +97,8 @@ class _Answers:
     """A group whose all-gather returns fixed (host, mapping) answers; this rank's mapping is checked
     against its slot (its host is this machine's name, which the answers stand in for)."""
 
+    rejoining = False
+
     def __init__(self, rank, answers):
         self.rank, self.answers = rank, answers
 

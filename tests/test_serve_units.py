@@ -412,3 +412,49 @@ def test_a_packed_forward_failing_for_lost_experts_answers_retryable_and_forgets
     errors = [m for m in messages if isinstance(m, PrefillError)]
     assert [e.request_id for e in errors] == ["r0", "r1"] and all(e.retryable for e in errors), errors
     assert any(isinstance(m, WorkerHealth) for m in messages) and active == [] and not pending, (messages, active)
+
+
+def _half_a_message_then_killed(writer) -> None:
+    """A worker killed while it writes a result: a header for 1000 bytes, 10 of them, then SIGKILL."""
+    import os
+    import signal
+    import struct
+
+    os.write(writer.fileno(), struct.pack("!i", 1000) + b"x" * 10)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_mid_message_cuts_only_its_own_results_pipe(tmp_path):
+    """Each worker writes to a pipe of its own: one killed in the middle of a message ends its own
+    reader (the pipe's end, not a hang), and another worker's messages still arrive."""
+    import multiprocessing as mp
+    import threading
+    import time
+
+    from dwdp.serve.pool import WorkerPool
+    from dwdp.serve.protocol import ResultsChannel
+
+    ctx = mp.get_context("spawn")
+    pool = WorkerPool(ServeConfig(ranks=2), str(tmp_path))
+    handled = []
+    pool._handle = handled.append
+    dead_reader, dead_writer = ctx.Pipe(duplex=False)
+    live_reader, live_writer = ctx.Pipe(duplex=False)
+    victim = ctx.Process(target=_half_a_message_then_killed, args=(dead_writer,))
+    victim.start()
+    dead_writer.close()
+    readers = [threading.Thread(target=pool._read_results, args=(r,), daemon=True) for r in (dead_reader, live_reader)]
+    for t in readers:
+        t.start()
+    victim.join(timeout=30)
+    readers[0].join(timeout=10)
+    assert not readers[0].is_alive(), "the reader of a killed worker's pipe hangs on its half message"
+    ResultsChannel(live_writer).put(("rank 1", "still heard"))
+    deadline = time.monotonic() + 10
+    while not handled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert handled == [("rank 1", "still heard")], handled
+    pool._stop.set()
+    readers[1].join(timeout=5)
+    assert not readers[1].is_alive()

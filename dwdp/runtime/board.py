@@ -123,7 +123,11 @@ class Board:
     def _remove_if_empty(self) -> None:
         """Remove the board once no live process has an entry on it (dead ones are swept first: an
         incarnation killed after its survivors last looked leaves its entry behind)."""
-        for file in self.path.glob("rank*.json"):
+        try:
+            files = list(self.path.glob("rank*.json"))
+        except OSError:
+            return  # already gone: another rank removed it
+        for file in files:
             try:
                 if not _entry_alive(json.loads(file.read_text())):
                     file.unlink(missing_ok=True)

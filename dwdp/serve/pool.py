@@ -23,7 +23,6 @@ import collections
 import itertools
 import logging
 import multiprocessing as mp
-import queue
 import threading
 import time
 import uuid
@@ -37,7 +36,7 @@ from dwdp.serve.config import ServeConfig, prompt_limit
 from dwdp.serve.errors import ServeError
 from dwdp.serve.restarts import RestartPolicy
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
-                       WorkerFailed, WorkerHealth, WorkerReady)
+                                ResultsChannel, WorkerFailed, WorkerHealth, WorkerReady)
 from dwdp.serve.routing import NoHealthyWorker, Overloaded, WorkerLoad, pick_worker
 from dwdp.serve.worker import worker_main
 
@@ -69,7 +68,7 @@ class _Request:
 @dataclass
 class _Rank:
     rank: int
-    process: mp.Process
+    process: mp.Process | None                          # None only until start() starts it
     requests: object                                   # its multiprocessing queue of PrefillJob
     pid: int | None = None
     is_ready: bool = False
@@ -107,7 +106,6 @@ class WorkerPool:
         self.kv_dir = kv_dir
         self.model_info: dict = {}
         self._ctx = mp.get_context("spawn")
-        self._results = self._ctx.Queue()
         self._ranks: list[_Rank] = []
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
@@ -137,32 +135,41 @@ class WorkerPool:
         self._port = free_port()
         for rank in range(self.config.ranks):
             requests = self._ctx.Queue()
-            self._ranks.append(_Rank(rank, self._worker_process(rank, requests, rejoin=False), requests))
+            self._ranks.append(_Rank(rank, None, requests))
         for r in self._ranks:
-            r.process.start()
-        for loop in (self._read_results, self._watch_processes):
-            thread = threading.Thread(target=loop, name=f"dwdp-router-{loop.__name__}", daemon=True)
-            thread.start()
-            self._threads.append(thread)
+            r.process = self._start_worker(r.rank, r.requests, rejoin=False)
+        thread = threading.Thread(target=self._watch_processes, name="dwdp-router-watch", daemon=True)
+        thread.start()
+        self._threads.append(thread)
 
-    def _worker_process(self, rank: int, requests, rejoin: bool) -> mp.Process:
+    def _start_worker(self, rank: int, requests, rejoin: bool) -> mp.Process:
+        """Start one worker process with a results pipe of its own, and the thread that reads it."""
+        reader, writer = self._ctx.Pipe(duplex=False)
+        results = ResultsChannel(writer)
         if self.config.mode == "dep":
             from dwdp.serve.dep_worker import dep_worker_main
 
-            return self._ctx.Process(target=dep_worker_main, name=f"dwdp-serve-dep-rank{rank}", daemon=False,
-                                     args=(rank, self.config.ranks, self._port, self.config, self.kv_dir, requests,
-                                           self._results))
-        return self._ctx.Process(target=worker_main, name=f"dwdp-serve-dwdp-rank{rank}", daemon=False,
-                                 args=(rank, self.config.ranks, self._port, self.config, self.kv_dir, requests,
-                                       self._results, rejoin))
+            process = self._ctx.Process(target=dep_worker_main, name=f"dwdp-serve-dep-rank{rank}", daemon=False,
+                                        args=(rank, self.config.ranks, self._port, self.config, self.kv_dir,
+                                              requests, results))
+        else:
+            process = self._ctx.Process(target=worker_main, name=f"dwdp-serve-dwdp-rank{rank}", daemon=False,
+                                        args=(rank, self.config.ranks, self._port, self.config, self.kv_dir,
+                                              requests, results, rejoin))
+        process.start()
+        writer.close()  # the worker holds the only write end: its death reads as the pipe's end
+        thread = threading.Thread(target=self._read_results, args=(reader,), daemon=True,
+                                  name=f"dwdp-router-results-{rank}-{process.pid}")
+        thread.start()
+        self._threads.append(thread)
+        return process
 
     def _restart_locked(self, r: _Rank, now: float) -> None:
-        """Start rank `r` again: a new process (and queue) that rejoins the group; not routable
+        """Start rank `r` again: a new process (and queues) that rejoins the group; not routable
         until it reports ready."""
         self._old_queues.append(r.requests)
         r.requests = self._ctx.Queue()
-        r.process = self._worker_process(r.rank, r.requests, rejoin=True)
-        r.process.start()
+        r.process = self._start_worker(r.rank, r.requests, rejoin=True)
         self._restarts.started(r.rank, now)
         r.restarts += 1
         r.restart_at, r.is_alive, r.is_ready, r.is_stalled = None, True, False, False
@@ -222,7 +229,7 @@ class WorkerPool:
         for req in left:
             self._resolve(req, ServeError(503, "shutting_down", "the server stopped before this request finished",
                                           retry_after=RETRY_AFTER_S))
-        for q in [r.requests for r in self._ranks] + self._old_queues + [self._results]:
+        for q in [r.requests for r in self._ranks] + self._old_queues:
             q.cancel_join_thread()  # a dead reader must not block our exit on unflushed data
             q.close()
 
@@ -287,15 +294,20 @@ class WorkerPool:
             pass  # the event loop is closed: nobody awaits this request any more
 
     # -- helper threads ------------------------------------------------------------------------
-    def _read_results(self) -> None:
-        while not self._stop.is_set():
-            try:
-                msg = self._results.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            except (EOFError, OSError):
-                return
-            self._handle(msg)
+    def _read_results(self, reader) -> None:
+        """Handle one worker process's messages until its pipe ends (the process exited, or was killed
+        in the middle of a message) or the pool stops."""
+        try:
+            while not self._stop.is_set():
+                if not reader.poll(0.2):
+                    continue
+                try:
+                    msg = reader.recv()
+                except (EOFError, OSError):
+                    return
+                self._handle(msg)
+        finally:
+            reader.close()
 
     def _handle(self, msg) -> None:
         outcome, req = None, None

@@ -1,13 +1,15 @@
-"""Messages between the router and the workers (pickled over multiprocessing queues).
+"""Messages between the router and the workers, and the worker's channel back to the router.
 
 Router -> worker (the worker's own request queue): PrefillJob, InjectFault (chaos testing, acted on
 at once), or STOP to finish the queue and exit.
-Worker -> router (one shared result queue): WorkerReady / WorkerFailed once at startup, then
+Worker -> router (a pipe of each worker process's own, `ResultsChannel`): WorkerReady / WorkerFailed
+once at startup, then
 BatchStarted when a forward begins, BatchDone when it ends, and one PrefillResult or
 PrefillError per request; WorkerHealth every few hundred milliseconds (its silence means a stall).
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 STOP = None  # sentinel on a request queue: finish what is queued, then exit
@@ -85,3 +87,24 @@ class WorkerHealth:
 @dataclass(frozen=True)
 class InjectFault:
     rank: int                   # the rank whose memory becomes unreadable (DWDPModel.inject_fault)
+
+
+class ResultsChannel:
+    """A worker process's end of its own pipe to the router: `put` sends one message, the worker's
+    threads taking turns. One writer per pipe, on purpose: a worker killed in the middle of a message
+    can only cut its own pipe, which the router then reads as closed. (A queue shared by the workers
+    has one lock for all writers; a writer killed while holding it silences every other worker.)"""
+
+    def __init__(self, conn):
+        self._conn = conn
+        self._lock = threading.Lock()
+
+    def __getstate__(self):
+        return {"conn": self._conn}
+
+    def __setstate__(self, state):
+        self._conn, self._lock = state["conn"], threading.Lock()
+
+    def put(self, message) -> None:
+        with self._lock:
+            self._conn.send(message)

@@ -679,7 +679,7 @@ class CudaTransport(Transport):
         self._forgotten.add(peer)
         self._prepared_plans = {key: prepared for key, prepared in self._prepared_plans.items()
                                 if peer not in prepared.plan.peers}
-        mapping = self._peer_bases.pop(peer, None)
+        mapping = self._peer_bases.get(peer)  # an IPC base (kept: it names what was opened for the peer)
         if mapping is None:
             mapping = self._peer_ranges.pop(peer, None)  # a VMM import, retired until its fence has run
         if mapping is not None:
