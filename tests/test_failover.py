@@ -55,7 +55,10 @@ def _forward(model, rank: int, step: int, reference) -> tuple[float, float]:
 
 def _wait_exit(pid: int, timeout_s: float = 20.0) -> None:
     """Block until `pid` has ended (its pidfd turns readable), at most `timeout_s`."""
-    fd = os.pidfd_open(pid)
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return  # already reaped by the launcher: gone
     try:
         if not select.select([fd], [], [], timeout_s)[0]:
             raise TimeoutError(f"victim rank {VICTIM} (pid {pid}) still running {timeout_s} s after SIGKILL")
@@ -81,6 +84,7 @@ def _kill_rank(rank: int) -> dict | None:
     if rank == VICTIM:
         signal.sigtimedwait([signal.SIGUSR1], 100)  # nobody sends it: rank 0 kills this process meanwhile
         return None
+    dist.barrier(survivors)  # rank 1 is out of the world barrier (gloo's ends unevenly) before the kill
     if rank == 0:
         moe = [m for m in model.model.modules() if hasattr(m, "_dwdp_runtime")]
 
@@ -190,7 +194,11 @@ def _lose_the_only_owner(rank: int) -> dict | None:
     victim_pid = model.failover.liveness.pid(VICTIM) if rank != VICTIM else os.getpid()
     dist.barrier()
     if rank == VICTIM:
-        os.kill(os.getpid(), signal.SIGKILL)
+        signal.sigtimedwait([signal.SIGUSR1], 100)  # nobody sends it: rank 0 kills this process meanwhile
+        return None
+    dist.barrier(survivors)  # both survivors are out of the world barrier (gloo's ends unevenly)
+    if rank == 0:
+        os.kill(victim_pid, signal.SIGKILL)
     _wait_exit(victim_pid)
     start = time.monotonic()
     try:

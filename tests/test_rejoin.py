@@ -124,6 +124,8 @@ def _rank(rank: int) -> dict | None:
     out = {"before": _forward(model, rank, 0, reference),
            "pulled_from_victim_before": model.stats.bytes_from_peer.get(VICTIM, 0)}
     dist.barrier()
+    if rank != VICTIM:
+        dist.barrier(survivors)  # both survivors are out of the world barrier (gloo's ends unevenly)
     if rank == VICTIM:
         step = 0
         while True:  # killed by rank 0 somewhere in here, most likely inside a forward

@@ -53,6 +53,7 @@ def _rank(rank: int) -> dict | None:
         dist.barrier(alive)              # the survivors are done with it
         model.close()
         return None
+    dist.barrier(survivors)  # rank 1 is out of the world barrier (gloo's ends unevenly) before the kill
 
     if rank == 0:
         moe = [m for m in model.model.modules() if hasattr(m, "_dwdp_runtime")]
