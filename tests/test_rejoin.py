@@ -107,13 +107,14 @@ def _replacement(env: dict, inbox, outbox, steps: int) -> None:
         outbox.put(("error", repr(exc)))
 
 
-def _expect(outbox, kind: str):
+def _expect(outbox, kind: str, rank: int = VICTIM):
+    """The next message of replacement `rank`, which must be of `kind` (its first field)."""
     try:
         message = outbox.get(timeout=WAIT_S)
     except queue.Empty:
-        raise TimeoutError(f"replacement rank {VICTIM} sent no {kind!r} within {WAIT_S} s") from None
+        raise TimeoutError(f"replacement rank {rank} sent no {kind!r} within {WAIT_S} s") from None
     if message[0] != kind:
-        raise RuntimeError(f"replacement rank {VICTIM}: expected {kind!r}, got {message}")
+        raise RuntimeError(f"replacement rank {rank}: expected {kind!r}, got {message}")
     return message
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 
@@ -23,6 +22,7 @@ from dwdp.runtime.config import DWDPConfig
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
 from test_failover import PEER_TIMEOUT_S, _forward, _inputs, _wait_exit
+from test_rejoin import WAIT_S, _expect
 
 KILLED, UNREADABLE = 3, 2
 # 12 experts on 4 ranks, each on 3: every survivor pulls some expert from each victim before the losses.
@@ -102,17 +102,6 @@ def test_two_simultaneous_losses_with_redundancy_3_keep_every_expert_served(tmp_
 
 
 REJOINING, LOST_WHILE_REJOINING = 3, 2
-WAIT_S = 60.0
-
-
-def _expect(outbox, kind: str):
-    try:
-        message = outbox.get(timeout=WAIT_S)
-    except queue.Empty:
-        raise TimeoutError(f"replacement rank {REJOINING} sent no {kind!r} within {WAIT_S} s") from None
-    if message[0] != kind:
-        raise RuntimeError(f"replacement rank {REJOINING}: expected {kind!r}, got {message}")
-    return message
 
 
 def _gone(pid: int) -> None:
@@ -166,7 +155,7 @@ def _rank_loss_while_rejoining(rank: int) -> dict | None:
         replacement.start()
         os.kill(pids[LOST_WHILE_REJOINING], signal.SIGKILL)  # a loss while rank 3 rejoins
         _gone(pids[LOST_WHILE_REJOINING])
-        out["replacement"] = _expect(outbox, "serving")
+        out["replacement"] = _expect(outbox, "serving", REJOINING)
     else:
         _gone(pids[LOST_WHILE_REJOINING])
     out["second_loss"] = _forward(model, rank, 2, reference)
@@ -181,7 +170,7 @@ def _rank_loss_while_rejoining(rank: int) -> dict | None:
     status = model.check_peers()
     out["status"] = (sorted(status.lost), dict(status.rejoins), status.can_serve_all)
     if rank == 0:
-        out["replacement_forwards"] = _expect(outbox, "forwards")
+        out["replacement_forwards"] = _expect(outbox, "forwards", REJOINING)
     dist.barrier(survivors)
     if rank == 0:
         inbox.put("close")
