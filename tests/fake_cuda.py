@@ -234,9 +234,16 @@ class FakeCudaApi:
         self._enqueue(stream, "copy", *zip(batch.dsts, batch.srcs, batch.sizes))
 
     def tensor_at(self, ptr: int, nbytes: int, device) -> torch.Tensor:
-        """uint8 [nbytes] over host memory at `ptr` (the fake's device memory is host memory)."""
+        """uint8 [nbytes] over host memory at `ptr` (the fake's device memory is host memory), built the
+        way the real cuda_api builds it (DLPack with the device named, never a probe), on the CPU. A
+        tensor that is not the memory at `ptr` (a copy) is an error."""
+        from dwdp.runtime.transport.dlpack import tensor_over
+
         self._call("tensor_at", ptr, nbytes, device)
-        return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+        tensor = tensor_over(ptr, nbytes, "cpu")
+        if tensor.data_ptr() != ptr:
+            raise AssertionError(f"tensor_at({ptr:#x}, {nbytes}) gave memory at {tensor.data_ptr():#x}: a copy")
+        return tensor
 
     # -- peer memory --------------------------------------------------------------------------
     def ipc_export(self, ptr: int) -> tuple[bytes, int]:

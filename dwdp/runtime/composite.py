@@ -17,11 +17,19 @@ prefetch, like the rest of the remote bytes. Every other view page is a page of 
 `layer % S`: the k-th non-extent page of tensor t's view is the k-th page of tensor t's block of
 that slot.
 
-Rank segment (shared with peers, who read owned experts from it):
+Allocations: every extent of every (layer, t) is an allocation of its own, and so is every gap
+between extents of every (slot, t) (a *pool gap*). Each is mapped whole, at offset 0, wherever it
+appears: the CUDA driver maps no piece of an allocation (cuMemMap's offset "currently must be zero"),
+so the plan speaks of allocations, never of offsets into one. The host backend maps the same plan
+from one file per backing at each allocation's `offset` (mmap takes file offsets).
+
+Rank segment (shared with peers, who read owned experts from it): its extent allocations back to
+back, in the order
     for layer: for t: for extent: its pages                      (each extent page-aligned)
+so a peer that maps them in that order into one range reads expert e at `segment_offset`.
 Layer range (what one reservation holds, per layer): [view of t=0 | view of t=1 | ...], each view
 page-aligned; copy plans write into it at `view_start[t] + e * nb[t]`.
-Pool (private to the rank): [slot 0: [pool pages of t=0 | t=1 | ...] | slot 1: ... ].
+Pool (private to the rank): [slot 0: [gaps of t=0 | gaps of t=1 | ...] | slot 1: ... ].
 """
 from __future__ import annotations
 
@@ -55,12 +63,14 @@ def local_runs(owned, num_experts: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class Extent:
     """A local allocation of one (layer, tensor): view pages [first_page, stop_page), stored from
-    byte `segment_offset` of the rank's segment; `experts` are the owned experts in it."""
+    byte `segment_offset` of the rank's segment; `experts` are the owned experts in it; `allocation`
+    its index in `CompositeLayout.segment_allocations`."""
 
     first_page: int
     stop_page: int
     experts: tuple[int, ...]
     segment_offset: int
+    allocation: int
 
     @property
     def num_pages(self) -> int:
@@ -68,14 +78,28 @@ class Extent:
 
 
 @dataclass(frozen=True)
+class Allocation:
+    """One physical allocation behind a rank's views: `nbytes` (a multiple of the granularity) at byte
+    `offset` of its backing (SEGMENT: the rank's segment; POOL: its pool). `index` is its place in
+    `segment_allocations` or `pool_allocations`. On CUDA: one cuMemCreate, mapped whole at offset 0."""
+
+    backing: str
+    index: int
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
 class MapRun:
-    """`nbytes` of a layer range from byte `view_offset`, backed by `backing` (SEGMENT or POOL) from
-    byte `file_offset`. Every field is a multiple of the granularity."""
+    """`nbytes` of a layer range from byte `view_offset`: the whole of allocation `allocation` of
+    `backing` (SEGMENT or POOL), which sits at byte `file_offset` of that backing. Every field is a
+    multiple of the granularity."""
 
     view_offset: int
     nbytes: int
     backing: str
     file_offset: int
+    allocation: int
 
 
 @dataclass(frozen=True)
@@ -169,16 +193,30 @@ class CompositeLayout:
     def segment_nbytes(self) -> int:
         return self.num_layers * self.extent_pages_per_layer * self.granularity
 
+    @property
+    def extents_per_layer(self) -> int:
+        return sum(len(spans) for spans in self._extent_spans)
+
     def extents(self, layer: int, tensor: int) -> tuple[Extent, ...]:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer={layer} is not in [0, {self.num_layers})")
         pages = layer * self.extent_pages_per_layer + sum(
             s - f for spans in self._extent_spans[:tensor] for f, s, _ in spans)
+        index = layer * self.extents_per_layer + sum(len(spans) for spans in self._extent_spans[:tensor])
         out = []
         for first, stop, experts in self._extent_spans[tensor]:
-            out.append(Extent(first, stop, experts, pages * self.granularity))
+            out.append(Extent(first, stop, experts, pages * self.granularity, index))
             pages += stop - first
+            index += 1
         return tuple(out)
+
+    @cached_property
+    def segment_allocations(self) -> tuple[Allocation, ...]:
+        """Every extent's allocation, in segment order (layer, tensor, extent): back to back they are
+        the rank's segment, `segment_nbytes` in all."""
+        return tuple(Allocation(SEGMENT, ext.allocation, ext.segment_offset, ext.num_pages * self.granularity)
+                     for layer in range(self.num_layers) for t in range(len(self.tensor_nbytes))
+                     for ext in self.extents(layer, t))
 
     def segment_offset(self, layer: int, expert: int, tensor: int) -> int:
         """Byte offset of owned `expert`'s tensor `tensor` of `layer` in this rank's segment."""
@@ -190,10 +228,36 @@ class CompositeLayout:
 
     # -- pool ------------------------------------------------------------------------------------
     @cached_property
+    def _gap_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per tensor: (first_page, stop_page) of each view gap between extents, in view order."""
+        gaps = []
+        for pages, spans in zip(self.view_pages, self._extent_spans):
+            out, page = [], 0
+            for first, stop, _ in spans:
+                if first > page:
+                    out.append((page, first))
+                page = stop
+            if pages > page:
+                out.append((page, pages))
+            gaps.append(tuple(out))
+        return tuple(gaps)
+
+    @cached_property
     def pool_pages(self) -> tuple[int, ...]:
         """Pool pages each tensor's view needs in one slot."""
-        return tuple(pages - sum(s - f for f, s, _ in spans)
-                     for pages, spans in zip(self.view_pages, self._extent_spans))
+        return tuple(sum(s - f for f, s in gaps) for gaps in self._gap_spans)
+
+    @cached_property
+    def pool_allocations(self) -> tuple[Allocation, ...]:
+        """Every pool gap's allocation, in pool order (slot, tensor, gap)."""
+        out, at = [], 0
+        for _ in range(self.num_slots):
+            for gaps in self._gap_spans:
+                for first, stop in gaps:
+                    nbytes = (stop - first) * self.granularity
+                    out.append(Allocation(POOL, len(out), at, nbytes))
+                    at += nbytes
+        return tuple(out)
 
     @property
     def pool_slot_nbytes(self) -> int:
@@ -205,33 +269,24 @@ class CompositeLayout:
 
     # -- mapping ---------------------------------------------------------------------------------
     def map_runs(self, layer: int) -> tuple[MapRun, ...]:
-        """What backs every page of `layer`'s range, in view order, neighbours with contiguous
-        backing merged: the mmap / cuMemMap calls that build the layer's views."""
+        """What backs every page of `layer`'s range, in view order, one run per allocation (never a
+        piece of one, never two merged): the mmap / cuMemMap calls that build the layer's views."""
         g = self.granularity
-        pool_at = self.slot(layer) * self.pool_slot_nbytes
+        gaps_per_slot = sum(len(gaps) for gaps in self._gap_spans)
+        gap = self.slot(layer) * gaps_per_slot
         runs: list[MapRun] = []
-
-        def add(view_page: int, pages: int, backing: str, file_offset: int) -> None:
-            view, n = view_page * g, pages * g
-            last = runs[-1] if runs else None
-            if last and last.backing == backing and last.view_offset + last.nbytes == view \
-                    and last.file_offset + last.nbytes == file_offset:
-                runs[-1] = MapRun(last.view_offset, last.nbytes + n, backing, last.file_offset)
-            else:
-                runs.append(MapRun(view, n, backing, file_offset))
-
-        for t, pages in enumerate(self.view_pages):
+        for t in range(len(self.view_pages)):
             base = self.view_start[t] // g
-            page = 0
-            for ext in self.extents(layer, t):
-                if ext.first_page > page:
-                    add(base + page, ext.first_page - page, POOL, pool_at)
-                    pool_at += (ext.first_page - page) * g
-                add(base + ext.first_page, ext.num_pages, SEGMENT, ext.segment_offset)
-                page = ext.stop_page
-            if pages > page:
-                add(base + page, pages - page, POOL, pool_at)
-                pool_at += (pages - page) * g
+            extents = {ext.first_page: ext for ext in self.extents(layer, t)}
+            for first in sorted([*extents, *(first for first, _ in self._gap_spans[t])]):
+                ext = extents.get(first)
+                if ext is not None:
+                    runs.append(MapRun((base + first) * g, ext.num_pages * g, SEGMENT, ext.segment_offset,
+                                       ext.allocation))
+                else:  # the next gap of this tensor, in view order: the next pool allocation of the slot
+                    alloc = self.pool_allocations[gap]
+                    runs.append(MapRun((base + first) * g, alloc.nbytes, POOL, alloc.offset, gap))
+                    gap += 1
         return tuple(runs)
 
     def backing_of(self, layer: int, view_offset: int) -> tuple[str, int]:

@@ -171,22 +171,28 @@ def _cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, device:
     "auto" or "vmm" with a composite-capable experts_kernel ("auto", "composite"): each rank probes
     what its device exports (cuda_vmm.choose_mapping: fabric with an IMEX channel, else POSIX fd,
     else CUDA IPC, one log line) and one all-gather settles the group on what every rank can do:
-    fabric handles when all ranks have them (one node or several NVL72 trays), POSIX fds when all
-    ranks export and share this host, else CUDA IPC on one host and symmetric memory across hosts.
+    fabric handles when all ranks have them and a trial import crosses every pair (one node or several
+    NVL72 trays), POSIX fds when all ranks export and share this host, else CUDA IPC on one host and
+    symmetric memory across hosts.
     """
+    from dwdp.runtime.transport import cuda as cuda_transport
+
     if requested not in ("auto", "vmm"):
         return requested
     if group.rejoining:  # the group settled long ago, and a rejoining rank joins no all-gather
         return _mapping_on_board(group)
     local = "ipc"
     if experts_kernel in ("auto", "composite"):
-        from dwdp.runtime.transport import cuda as cuda_transport
-
         local = cuda_transport.local_vmm_mapping(group.rank, device)
     answers = group.all_gather_object((socket.gethostname(), local))
     hosts, choices = {h for h, _ in answers}, {c for _, c in answers}
     if choices == {"vmm-fabric"}:
-        return "vmm-fabric"
+        refusals = cuda_transport.fabric_import_refusals(group.rank, device, group.all_gather_object)
+        if not refusals:
+            return "vmm-fabric"
+        log.warning("rank %d: fabric handles do not cross the group (%s); falling back to %s", group.rank,
+                    "; ".join(refusals), "POSIX fds" if len(hosts) == 1 else "another mapping")
+        choices = {"vmm-posix-fd"}
     if len(hosts) == 1:
         return "vmm-posix-fd" if "ipc" not in choices else "ipc"
     if requested == "vmm":
@@ -301,10 +307,13 @@ class DWDPModel(ModelWrapper):
             checksum = dense_checksum(model, self.experts_modules)
             if use_composite:
                 layout = layouts[group.rank]
-                segment = transport.alloc_segment(layout.segment_nbytes)
                 if backend == "cuda":
+                    # One cuMem allocation per local extent: the driver maps allocations whole, at offset 0.
+                    segment = transport.alloc_segment(layout.segment_nbytes,
+                                                      tuple(a.nbytes for a in layout.segment_allocations))
                     self.views = transport.composite_views(layout)  # closed with the transport
                 else:
+                    segment = transport.alloc_segment(layout.segment_nbytes)
                     fd = transport.segment_fd()
                     try:
                         self.views = HostCompositeViews(layout, fd)
@@ -565,10 +574,12 @@ class DWDPModel(ModelWrapper):
         try:
             self.prefetcher.drain()
         finally:
-            self._finalizer()
-            self._liveness_finalizer()
+            # Off the board before the transport closes its exports: a rank rejoining in between would
+            # take fd numbers that are closed or already reused.
             if self._board_finalizer is not None:
                 self._board_finalizer()
+            self._finalizer()
+            self._liveness_finalizer()
             if self.recorder is not None:
                 self.trace_path = self.recorder.write()
                 self.recorder = None

@@ -20,18 +20,20 @@ the events against a deadline and name the peers still outstanding.
 Every device call goes through `api` (dwdp.runtime.transport.cuda_api by default), so tests drive this
 control logic with a recording fake on a CPU.
 
-VMM mappings ("vmm-posix-fd", "vmm-fabric"; not yet run on a GPU): the segment is a cuMemCreate
-allocation (exportable as a POSIX fd or a fabric handle) mapped into a range of its own with one
-cuMemSetAccess; `register` exports it (POSIX fd: the exporter's pid and fd number travel in the handle,
-and each peer takes the fd with pidfd_getfd, so the setup's one all-gather is the only exchange; where
-Yama refuses pidfd_getfd between sibling processes, the exporter serves the fd on an abstract Unix
-socket (SCM_RIGHTS, same user only) until seal and the handle names the socket;
-fabric: the 64 handle bytes travel in it), `open` imports each peer's allocation and maps it the same
-way, `composite_views` builds the rank's composite views (dwdp.runtime.transport.cuda_vmm) over the
-segment, and copy plans write into the views' pool pages and boundary pages. `seal` closes the
-exported fd (every peer holds its own copy by then); `close` drains the copy stream, then unmaps and
-releases the views, the peers' imports and the segment, in the reverse of setup. The driver calls
-go through `driver` (cuda.bindings.driver by default, tests/fake_cuda_vmm.py in tests).
+VMM mappings ("vmm-posix-fd", "vmm-fabric"; not yet run on a GPU past setup): the segment is a list
+of cuMemCreate allocations (one per local extent of each layer and tensor in composite mode, else
+one), exportable as POSIX fds or fabric handles, mapped whole and back to back into one range with one
+cuMemSetAccess; `register` exports every allocation (POSIX fds: the exporter's pid, PID namespace and
+fd numbers travel in the handle, beside the name of an abstract Unix socket that always serves the same
+fds until seal; fabric: the 64 bytes of each handle). `open` takes each peer's fds (pidfd_getfd, or the
+socket where seccomp, Yama or another PID namespace refuses it: one log line says which per peer),
+imports each allocation, closes its fd, and maps the imports back to back into one range, so a plan
+reads a peer's segment at the same offsets as the peer itself. `composite_views` builds the rank's
+composite views (dwdp.runtime.transport.cuda_vmm) over the segment's allocations, and copy plans write
+into the views' pool gaps and boundary pages. `seal` closes the exported fds (every peer holds its own
+import by then); `close` waits for the copy stream and the compute stream, then unmaps and releases the
+views, the peers' imports and the segment, in the reverse of setup. The driver calls go through
+`driver` (cuda.bindings.driver by default, tests/fake_cuda_vmm.py in tests).
 """
 from __future__ import annotations
 
@@ -48,8 +50,8 @@ import torch
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
-from dwdp.runtime.transport.cuda_vmm import (CudaCompositeViews, FdServer, Vmm, choose_mapping, fetch_fd, pidfd_getfd,
-                                              pidfd_getfd_refused)
+from dwdp.runtime.transport.cuda_vmm import (SCM_MAX_FD, CudaCompositeViews, FdServer, Vmm, choose_mapping,
+                                              ensure_fd_room, is_power_of_two, pid_namespace, take_fds)
 
 log = logging.getLogger("dwdp")
 
@@ -66,11 +68,16 @@ def _raw_bytes(value: bytes | str) -> bytes:
 
 @dataclass(frozen=True)
 class _VmmRange:
-    """One cuMem allocation mapped whole into a range of its own: `handle` at [ptr, ptr + nbytes)."""
+    """cuMem allocations `handles` (of `sizes` bytes) mapped whole, back to back, into one range of
+    their own at [ptr, ptr + nbytes): a rank's segment, or a peer's as imported here."""
 
-    handle: object
+    handles: tuple
+    sizes: tuple[int, ...]
     ptr: int
-    nbytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes)
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,10 +272,11 @@ class CudaTransport(Transport):
         self._unmap_after: list[tuple[int | _VmmRange, int]] = []
         self._handle_type = VMM_MAPPINGS.get(mapping)
         self._vmm = Vmm(self.device.index or 0, driver) if self._handle_type is not None else None
-        self._own_range: _VmmRange | None = None     # the segment's allocation, mapped for this rank
-        self._peer_ranges: dict[int, _VmmRange] = {}  # peer -> its imported allocation, mapped
-        self._exported_fd: int | None = None          # the segment's POSIX fd, open until seal
-        self._fd_server: FdServer | None = None       # serves it over SCM_RIGHTS where pidfd_getfd is refused
+        self._own_range: _VmmRange | None = None     # the segment's allocations, mapped for this rank
+        self._peer_ranges: dict[int, _VmmRange] = {}  # peer -> its imported allocations, mapped
+        self._exported_fds: list[int] = []            # the segment's POSIX fds, open until seal
+        self._fd_server: FdServer | None = None       # serves them over SCM_RIGHTS where pidfd_getfd is refused
+        self.fd_paths: dict[int, str] = {}            # peer -> how its fds came (pidfd_getfd or the socket, why)
         self._handle: dict | None = None              # what register() exported
         self._keep_export = False                     # board_handle() given: the export outlives seal
         self.views: CudaCompositeViews | None = None
@@ -277,11 +285,17 @@ class CudaTransport(Transport):
         self.recorder = None  # copy slices have no host lane on this backend: see NVTX / Nsight instead
 
     # -- setup ---------------------------------------------------------------------------------
-    def alloc_segment(self, nbytes: int) -> torch.Tensor:
+    def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
+        """uint8 [nbytes]: this rank's segment. allocations (VMM mappings only): the sizes of the
+        cuMem allocations that make it up, back to back (CompositeLayout.segment_allocations), each a
+        multiple of the granularity; None: one allocation of nbytes rounded up to the granularity."""
         if self._segment is not None:
             raise RuntimeError(f"rank {self.rank}: segment already allocated")
         if self._vmm is not None:
-            self._segment = self._alloc_vmm_segment(nbytes)
+            self._segment = self._alloc_vmm_segment(nbytes, allocations)
+        elif allocations is not None:
+            raise ValueError(f"rank {self.rank}: mapping={self.mapping!r} makes one allocation per segment; "
+                             "allocations= needs 'vmm-posix-fd' or 'vmm-fabric'")
         elif self.mapping == "symmetric_memory":
             symm = _symmetric_memory_module()
             self._segment = symm.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
@@ -298,38 +312,34 @@ class CudaTransport(Transport):
             self._granularity = self._vmm.granularity(self._handle_type)
         return self._granularity
 
-    def _map_whole(self, handle, nbytes: int) -> int:
-        """Reserve a range for allocation `handle`, map it whole, one set-access; unwinds on failure."""
-        vmm, ptr, mapped = self._vmm, None, False
-        try:
-            ptr = vmm.reserve(nbytes, self.granularity())
-            vmm.map(ptr, nbytes, 0, handle)
-            mapped = True
-            vmm.set_access(ptr, nbytes)
-        except BaseException:
-            if mapped:
-                vmm.unmap(ptr, nbytes)
-            if ptr is not None:
-                vmm.address_free(ptr, nbytes)
-            raise
-        return ptr
+    def _alignment(self) -> int:
+        """Reservation alignment: the granularity where it is a power of two (the driver's rule), else
+        the driver's default."""
+        g = self.granularity()
+        return g if is_power_of_two(g) else 0
 
     def _release_range(self, mapped: _VmmRange) -> None:
-        self._vmm.unmap(mapped.ptr, mapped.nbytes)
-        self._vmm.address_free(mapped.ptr, mapped.nbytes)
-        self._vmm.release(mapped.handle)
-
-    def _alloc_vmm_segment(self, nbytes: int) -> torch.Tensor:
-        g = self.granularity()
-        size = -(-max(nbytes, 1) // g) * g
-        handle = self._vmm.create(size, self._handle_type)
-        try:
-            ptr = self._map_whole(handle, size)
-        except BaseException:
+        self._vmm.unmap_back_to_back(mapped.ptr, mapped.sizes)
+        for handle in reversed(mapped.handles):
             self._vmm.release(handle)
+
+    def _alloc_vmm_segment(self, nbytes: int, allocations: tuple[int, ...] | None) -> torch.Tensor:
+        g = self.granularity()
+        sizes = (-(-max(nbytes, 1) // g) * g,) if allocations is None else tuple(int(n) for n in allocations)
+        if not sizes or any(n < 1 or n % g for n in sizes) or sum(sizes) < nbytes:
+            raise ValueError(f"rank {self.rank}: segment allocations {sizes} must be positive multiples of the "
+                             f"granularity {g} covering {nbytes} bytes")
+        handles = []
+        try:
+            for size in sizes:
+                handles.append(self._vmm.create(size, self._handle_type))
+            ptr = self._vmm.map_back_to_back(handles, sizes, self._alignment())
+        except BaseException:
+            for handle in reversed(handles):
+                self._vmm.release(handle)
             raise
-        self._own_range = _VmmRange(handle, ptr, size)
-        return self.api.tensor_at(ptr, size, self.device)[:nbytes]
+        self._own_range = _VmmRange(tuple(handles), sizes, ptr)
+        return self.api.tensor_at(ptr, sum(sizes), self.device)[:nbytes]
 
     def composite_views(self, layout) -> CudaCompositeViews:
         """This rank's composite views over its segment (see dwdp.runtime.transport.cuda_vmm); closed
@@ -339,10 +349,11 @@ class CudaTransport(Transport):
                                f"{self.mapping!r}; alloc_segment first)")
         if self.views is not None:
             raise RuntimeError(f"rank {self.rank}: composite views already built")
-        if layout.segment_nbytes > self._own_range.nbytes:
-            raise ValueError(f"rank {self.rank}: the layout's segment of {layout.segment_nbytes} bytes does not fit "
-                             f"the allocation of {self._own_range.nbytes}")
-        self.views = CudaCompositeViews(layout, self._own_range.handle, self._vmm, self._handle_type,
+        want = tuple(a.nbytes for a in layout.segment_allocations)
+        if self._own_range.sizes != want:
+            raise ValueError(f"rank {self.rank}: the segment's allocations {self._own_range.sizes} are not the "
+                             f"layout's {want}: alloc_segment(layout.segment_nbytes, allocations=...) first")
+        self.views = CudaCompositeViews(layout, self._own_range.handles, self._vmm, self._handle_type,
                                         tensor_at=lambda ptr, n: self.api.tensor_at(ptr, n, self.device))
         return self.views
 
@@ -358,21 +369,28 @@ class CudaTransport(Transport):
         elif self.mapping == "process":
             handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
         elif self._vmm is not None:
-            handle["alloc_nbytes"], handle["granularity"] = self._own_range.nbytes, self.granularity()
-            shareable = self._vmm.export(self._own_range.handle, self._handle_type)
-            if self._handle_type == "posix_fd":
-                # The fd stays open until seal: peers take their own copy of it with pidfd_getfd, or,
-                # where Yama refuses that between sibling processes, from a socket served until seal.
-                self._exported_fd = shareable
-                handle["pid"], handle["fd"] = os.getpid(), shareable
-                if pidfd_getfd_refused() is not None:
-                    name = f"dwdp-vmm-{os.getpid()}-{self.rank}-{shareable}"
-                    self._fd_server = FdServer(shareable, name)
-                    handle["socket"] = name
-            else:
-                handle["fabric"] = shareable  # 64 bytes, valid across the NVLink domain (IMEX)
+            handle["allocations"], handle["granularity"] = list(self._own_range.sizes), self.granularity()
+            self._export_vmm(handle)
         self._handle = handle
         return handle
+
+    def _export_vmm(self, handle: dict) -> None:
+        """Export every segment allocation into `handle`: fabric bytes, or POSIX fds (open until seal,
+        served beside the export over a socket, for peers that pidfd_getfd cannot reach)."""
+        if self._handle_type == "fabric":
+            handle["fabric"] = [self._vmm.export(h, "fabric") for h in self._own_range.handles]
+            return
+        # Room for our exports, and for one socket message of a peer's while we import it.
+        ensure_fd_room(len(self._own_range.handles) + SCM_MAX_FD)
+        try:
+            for h in self._own_range.handles:
+                self._exported_fds.append(self._vmm.export(h, "posix_fd"))
+            name = f"dwdp-vmm-{os.getpid()}-{self.rank}-{self._exported_fds[0]}"
+            self._fd_server = FdServer(self._exported_fds, name)
+        except BaseException:
+            self.seal()
+            raise
+        handle.update(pid=os.getpid(), pid_ns=pid_namespace(), fds=list(self._exported_fds), socket=name)
 
     def open(self, handles: list[dict]) -> None:
         if self._peer_ptrs:
@@ -400,8 +418,9 @@ class CudaTransport(Transport):
         self._peer_ptrs = ptrs
         self._peer_nbytes = [int(h["nbytes"]) if h is not None else self._segment.numel() for h in handles]
         self._forgotten.update(missing)  # lost before this rank joined: nothing is mapped for them
-        log.info("rank %d: cuda transport on %s, peers mapped through %s (%s copies, up to %d batches per layer)",
-                 self.rank, self.device, self.mapping, self.copy, self.copy_batches)
+        paths = "; ".join(f"peer {p}: {how}" for p, how in sorted(self.fd_paths.items()))
+        log.info("rank %d: cuda transport on %s, peers mapped through %s%s (%s copies, up to %d batches per layer)",
+                 self.rank, self.device, self.mapping, f" ({paths})" if paths else "", self.copy, self.copy_batches)
 
     def _check_handle(self, peer: int, handle: dict) -> None:
         if handle.get("backend") != self.name or handle.get("mapping") != self.mapping:
@@ -439,32 +458,44 @@ class CudaTransport(Transport):
         return ptrs
 
     def _open_vmm_peer(self, r: int, handle: dict) -> int:
-        nbytes = int(handle["alloc_nbytes"])
+        sizes = tuple(int(n) for n in handle["allocations"])
         if int(handle["granularity"]) != self.granularity():
             # Every rank computed every layout with its own granularity: they must agree.
             raise ValueError(f"rank {self.rank}: peer {r}'s cuMem granularity is {handle['granularity']}, this "
                              f"rank's {self.granularity()}; composite layouts need one granularity")
+        imported = []
         try:
             if self._handle_type == "posix_fd":
-                fd = fetch_fd(handle["socket"]) if "socket" in handle else \
-                    pidfd_getfd(int(handle["pid"]), int(handle["fd"]))
+                ensure_fd_room(min(len(sizes), SCM_MAX_FD))
+                fds, self.fd_paths[r] = take_fds(handle)
                 try:
-                    imported = self._vmm.import_(fd, "posix_fd")
+                    for i, fd in enumerate(fds):
+                        imported.append(self._vmm.import_(fd, "posix_fd"))
+                        os.close(fd)  # the imported handle keeps the allocation
+                        fds[i] = -1
                 finally:
-                    os.close(fd)  # the imported handle keeps the allocation
+                    for fd in fds:
+                        if fd >= 0:
+                            os.close(fd)
             else:
-                imported = self._vmm.import_(_raw_bytes(handle["fabric"]), "fabric")
-            try:
-                ptr = self._map_whole(imported, nbytes)
-            except BaseException:
-                self._vmm.release(imported)
-                raise
+                for raw in handle["fabric"]:
+                    imported.append(self._vmm.import_(_raw_bytes(raw), "fabric"))
+                self.fd_paths[r] = "fabric handles"
+            if len(imported) != len(sizes):
+                raise ValueError(f"{len(imported)} handles for {len(sizes)} allocations")
+            ptr = self._vmm.map_back_to_back(imported, sizes, self._alignment())
         except (cuda_api.CudaError, OSError, ValueError) as exc:
+            for h in reversed(imported):
+                self._vmm.release(h)
             raise PrefetchError(
                 f"rank {self.rank}: cannot import the segment of peer {r} (host {handle.get('host')}, device "
                 f"{handle.get('device')}, {self.mapping}): {exc}"
             ) from exc
-        self._peer_ranges[r] = _VmmRange(imported, ptr, nbytes)
+        except BaseException:
+            for h in reversed(imported):
+                self._vmm.release(h)
+            raise
+        self._peer_ranges[r] = _VmmRange(tuple(imported), sizes, ptr)
         return ptr
 
     def _open_process(self, handles: list[dict]) -> list[int]:
@@ -500,10 +531,11 @@ class CudaTransport(Transport):
         if self._handle is None:
             raise RuntimeError(f"rank {self.rank}: board_handle() before register()")
         if self._handle_type == "posix_fd":
-            if self._exported_fd is None:
-                raise RuntimeError(f"rank {self.rank}: board_handle() after seal closed the exported fd")
+            if not self._exported_fds:
+                raise RuntimeError(f"rank {self.rank}: board_handle() after seal closed the exported fds")
             self._keep_export = True
-        return {k: v.hex() if isinstance(v, bytes) else v for k, v in self._handle.items()}
+        return {k: v.hex() if isinstance(v, bytes) else [x.hex() for x in v] if k == "fabric" else v
+                for k, v in self._handle.items()}
 
     def peer_segment(self, peer: int) -> torch.Tensor:
         """`peer`'s mapped segment, uint8 [nbytes] on this device (a rejoining rank copies its experts from it)."""
@@ -538,17 +570,16 @@ class CudaTransport(Transport):
         self.faulty_peers = MappingProxyType({p: why for p, why in self.faulty_peers.items() if p != peer})
 
     def seal(self) -> None:
-        """Close the exported POSIX fd (every peer took its own copy before the setup barrier) unless the
-        board hands it to ranks that join later; nothing else to unlink: an IPC export is not a name in
-        a file system."""
+        """Stop serving and close the exported POSIX fds (every peer imported its own before the setup
+        barrier) unless the board hands them to ranks that join later; nothing else to unlink: an IPC
+        export is not a name in a file system."""
         if self._keep_export and not self._closed:
             return
         if self._fd_server is not None:
             self._fd_server.close()
             self._fd_server = None
-        if self._exported_fd is not None:
-            os.close(self._exported_fd)
-            self._exported_fd = None
+        while self._exported_fds:
+            os.close(self._exported_fds.pop())
 
     def alloc_slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
@@ -739,17 +770,7 @@ class CudaTransport(Transport):
         if self._closed:
             return
         self._closed = True
-        drained = True
-        if self._stream is not None:
-            try:
-                fence = self.api.event_create()
-                self.api.event_record(fence, self._stream)
-                self.api.event_wait(fence, self.close_timeout_s)
-                self.api.event_destroy(fence)
-            except (cuda_api.CudaError, TimeoutError) as exc:
-                drained = False
-                log.error("rank %d: copies still in flight at close (%s); peer mappings are left to process exit",
-                          self.rank, exc)
+        drained = self._drain_before_unmap()
         retired = [mapping for mapping, _ in self._unmap_after if isinstance(mapping, _VmmRange)]
         if drained:
             # Unmapping a peer's segment under a running copy would fault it: only once drained.
@@ -774,8 +795,29 @@ class CudaTransport(Transport):
                 pass
         self._stream = None
         self._peer_ptrs, self._segment, self._symmetric = [], None, None
-        if self._exported_fd is not None:  # closed without seal (a failed setup), or kept for the board
+        if self._exported_fds or self._fd_server is not None:  # a failed setup, or kept for the board
             self.seal()
+
+    def _drain_before_unmap(self) -> bool:
+        """Wait (with the close deadline) for the copy stream and, where this rank maps memory that
+        kernels read (its segment, composite views), the compute stream: cuMemUnmap waits for nothing,
+        and unmapping a range under a running kernel or copy faults the context. False on a timeout or
+        a sticky error: the mappings are then left to process exit."""
+        streams = []
+        if self._stream is not None:
+            streams.append(("copy", self._stream))
+        try:
+            if self._own_range is not None or self.views is not None:
+                streams.append(("compute", self.api.current_stream()))
+            for what, stream in streams:
+                fence = self.api.event_create()
+                self.api.event_record(fence, stream)
+                self.api.event_wait(fence, self.close_timeout_s)
+                self.api.event_destroy(fence)
+        except (cuda_api.CudaError, TimeoutError) as exc:
+            log.error("rank %d: work still in flight at close (%s); mappings are left to process exit", self.rank, exc)
+            return False
+        return True
 
     def _close_own_vmm(self) -> None:
         """The views, then the segment's own mapping and allocation (the reverse of setup)."""
@@ -786,6 +828,8 @@ class CudaTransport(Transport):
             if self._own_range is not None:
                 self._release_range(self._own_range)
             self._own_range = None
+            if self._vmm is not None:
+                self._vmm.close()
         except cuda_api.CudaError as exc:
             log.error("rank %d: releasing the composite views or the segment failed: %s", self.rank, exc)
 
@@ -794,9 +838,41 @@ def local_vmm_mapping(rank: int, device, driver=None) -> str:
     """What this rank's device can export: "vmm-fabric", "vmm-posix-fd" or "ipc" (one log line,
     dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it.
     Not yet run on a GPU."""
-    device = torch.device(device)
-    # POSIX fds reach peers either way: pidfd_getfd, or an SCM_RIGHTS socket where Yama refuses it.
-    return choose_mapping(Vmm(device.index or 0, driver), rank)
+    vmm = Vmm(torch.device(device).index or 0, driver)
+    try:
+        # POSIX fds reach peers either way: pidfd_getfd, or the SCM_RIGHTS socket where it is refused.
+        return choose_mapping(vmm, rank)
+    finally:
+        vmm.close()
+
+
+def fabric_import_refusals(rank: int, device, all_gather, driver=None) -> list[str]:
+    """Whether fabric handles really cross between the ranks of a group that all export them: each rank
+    exports one granule, every rank imports every peer's (an import can be refused with NOT_PERMITTED
+    after the export succeeded, e.g. ranks in different IMEX channels). all_gather: the group's
+    all_gather_object (two rounds, every rank calls this). Returns every rank's refusals, "rank r: why";
+    empty when every import worked. Not yet run on a GPU."""
+    vmm = Vmm(torch.device(device).index or 0, driver)
+    handle, raw, refusals = None, None, []
+    try:
+        try:
+            handle = vmm.create(vmm.granularity("fabric"), "fabric")
+            raw = vmm.export(handle, "fabric")
+        except cuda_api.CudaError as exc:
+            refusals.append(f"rank {rank}: export: {exc}")
+        raws = all_gather(raw)
+        for peer, peer_raw in enumerate(raws):
+            if peer == rank or peer_raw is None:
+                continue
+            try:
+                vmm.release(vmm.import_(peer_raw, "fabric"))
+            except cuda_api.CudaError as exc:
+                refusals.append(f"rank {rank}: import from rank {peer}: {exc}")
+        return [why for answer in all_gather(refusals) for why in answer]
+    finally:
+        if handle is not None:
+            vmm.release(handle)
+        vmm.close()
 
 
 def _symmetric_memory_module():

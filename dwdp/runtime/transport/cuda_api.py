@@ -247,23 +247,17 @@ def event_wait(event: int, timeout_s: float) -> float:
 
 
 # -- copies --------------------------------------------------------------------------------------
-class _DeviceBytes:
-    """`nbytes` at device address `ptr`, as torch reads foreign device memory (`__cuda_array_interface__`)."""
-
-    def __init__(self, ptr: int, nbytes: int):
-        self.__cuda_array_interface__ = dict(shape=(nbytes,), typestr="|u1", data=(ptr, False), version=3,
-                                             strides=None)
-
-
 def tensor_at(ptr: int, nbytes: int, device) -> "torch.Tensor":
-    """uint8 [nbytes] over device memory this process mapped itself (cuMemMap): torch does not own it,
-    so it stays valid only until the mapping is unmapped. Not yet run on a GPU."""
-    import torch
+    """uint8 [nbytes] over device memory this process mapped itself (cuMemMap), on `device` exactly:
+    built through DLPack with the device id (dwdp.runtime.transport.dlpack), so torch never probes the
+    pointer (a probe copies memory that lives on another GPU). torch does not own it: it stays valid
+    only until the mapping is unmapped. Not yet run on a GPU."""
+    from dwdp.runtime.transport.dlpack import tensor_over
 
     if nbytes < 1:
         raise ValueError(f"tensor_at(ptr={ptr:#x}, nbytes={nbytes}): nbytes must be >= 1")
     require()  # without a driver: the one clear error, not torch's "Cannot initialize CUDA"
-    return torch.as_tensor(_DeviceBytes(ptr, nbytes), device=device)
+    return tensor_over(ptr, nbytes, device)
 
 
 def memcpy_async(dst: int, src: int, nbytes: int, stream: int) -> None:
