@@ -1,7 +1,13 @@
 """The cuda backend meets a GPU: correctness and the figures that decide whether DWDP pays, on one GPU.
 
 Run on a machine with one NVIDIA GPU and its own packages (no network needed):
-    python3 -m pip install --no-deps --no-build-isolation -e . && python3 bench/gpu_check.py
+    python3 -m pip install --no-deps --no-build-isolation -e . && python3 bench/gpu_check.py --quick
+
+--quick is the check to run first whenever a GPU is at hand (a few minutes of a borrowed one): correctness
+first (b, d, f, i, then the kernels' correctness halves of e and g), the timings after (a, c, e, g), each
+timing step skipped once --budget-s is spent; the JSON is rewritten after every step, so a crash or a
+kill leaves what ran, and one verdict table comes last. Section h (serving) needs carried wheels and is
+left to a full run.
 
 Sections, one module each under bench/gpu_checks/ (two processes share the one GPU where ranks are
 needed, over a gloo group):
@@ -47,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import json
 import sys
 import time
@@ -58,9 +65,14 @@ import torch
 from gpu_checks import a_copy, b_ipc, c_overlap, d_model, e_kernel, f_war, g_fp8, h_serve, i_composite
 from gpu_checks.common import RESULTS, code_version, versions
 
-# Letter -> section module (KEY, run(sections) -> dict, summary(section) -> rows), in run order.
+# Letter -> section module (KEY, run(sections[, part]) -> dict, summary(section) -> rows), in run order.
 SECTIONS = {"a": a_copy, "b": b_ipc, "c": c_overlap, "d": d_model, "e": e_kernel, "f": f_war, "g": g_fp8,
             "h": h_serve, "i": i_composite}
+# --quick: (letter, part) steps, every correctness check before any timing. A module whose run takes `part`
+# runs that half; the others run whole.
+QUICK = (("b", "all"), ("d", "all"), ("f", "all"), ("i", "all"), ("e", "correctness"), ("g", "correctness"),
+         ("a", "all"), ("c", "all"), ("e", "timing"), ("g", "timing"))
+CORRECTNESS_PARTS = ("all", "correctness")
 
 
 # How a machine without network gets a section's missing packages (GPU_NOTES: the image installs nothing).
@@ -73,13 +85,31 @@ def missing_requirements(module) -> list[str]:
     return [name for name in getattr(module, "REQUIRES", ()) if importlib.util.find_spec(name) is None]
 
 
-def run_sections(selected: str, modules: dict, after_each=lambda: None) -> dict:
-    """Run the sections whose letters are in `selected`, in order: KEY -> the section's dict (its "error"
-    traceback if it raised, "skipped" saying why if its packages are missing) plus its "seconds"."""
+def _merge(into: dict, more: dict) -> None:
+    """Fold a second half of a section into the first: nested dicts merged, lists joined, numbers summed
+    for "seconds", anything else replaced."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge(into[key], value)
+        elif isinstance(value, list) and isinstance(into.get(key), list):
+            into[key] = into[key] + value
+        elif key == "seconds" and key in into:
+            into[key] += value
+        else:
+            into[key] = value
+
+
+def run_steps(steps, modules: dict, after_each=lambda sections: None, budget_s: float | None = None) -> dict:
+    """Run `steps`, (letter, part) pairs in order: KEY -> the section's dict (its "error" traceback if a
+    step raised, "skipped" saying why if its packages are missing or a timing step found the budget
+    spent) plus its "seconds"; the halves of one section are merged. after_each(sections) runs after
+    every step (the caller writes the JSON there)."""
     sections: dict = {}
-    for letter, module in modules.items():
-        if letter not in selected:
+    started = time.perf_counter()
+    for letter, part in steps:
+        if letter not in modules:
             continue
+        module = modules[letter]
         t0 = time.perf_counter()
         missing = missing_requirements(module)
         if missing:
@@ -87,15 +117,27 @@ def run_sections(selected: str, modules: dict, after_each=lambda: None) -> dict:
                                     "missing": missing}
             print(f"section {letter} skipped: {sections[module.KEY]['skipped']}", flush=True)
             continue
+        if budget_s is not None and part not in CORRECTNESS_PARTS and t0 - started > budget_s:
+            skipped = {"skipped": f"{part} skipped: the {budget_s:.0f} s budget was spent", "missing": []}
+            _merge(sections.setdefault(module.KEY, {}), skipped)
+            print(f"section {letter} ({part}) skipped: over budget", flush=True)
+            continue
+        takes_part = "part" in inspect.signature(module.run).parameters
         try:
-            sections[module.KEY] = module.run(sections)
+            result = module.run(sections, part=part) if takes_part else module.run(sections)
         except Exception:
-            sections[module.KEY] = {"error": traceback.format_exc()}
-            print(sections[module.KEY]["error"], file=sys.stderr, flush=True)
-        sections[module.KEY]["seconds"] = time.perf_counter() - t0
-        print(f"section {letter} done in {sections[module.KEY]['seconds']:.1f} s", flush=True)
-        after_each()
+            result = {"error": traceback.format_exc()}
+            print(result["error"], file=sys.stderr, flush=True)
+        result["seconds"] = time.perf_counter() - t0
+        _merge(sections.setdefault(module.KEY, {}), result)
+        print(f"section {letter}{'' if part == 'all' else f' ({part})'} done in {result['seconds']:.1f} s", flush=True)
+        after_each(sections)
     return sections
+
+
+def run_sections(selected: str, modules: dict, after_each=lambda sections: None) -> dict:
+    """Run the sections whose letters are in `selected`, whole, in the modules' order (see run_steps)."""
+    return run_steps([(letter, "all") for letter in modules if letter in selected], modules, after_each)
 
 
 def failures_of(sections: dict) -> list[str]:
@@ -109,10 +151,15 @@ def _summary(sections: dict, modules: dict | None = None) -> list[tuple[str, str
     rows = []
     for module in (modules or SECTIONS).values():
         section = sections.get(module.KEY)
-        if isinstance(section, dict) and "skipped" in section:
+        if not isinstance(section, dict):
+            continue
+        if section.get("missing"):
             rows.append((f"{module.KEY} skipped", "missing " + ", ".join(section["missing"]), "", "skip"))
-        elif isinstance(section, dict) and "error" not in section:
+            continue
+        if "error" not in section:
             rows += module.summary(section)
+        if "skipped" in section:  # a timing half past the --quick budget
+            rows.append((f"{module.KEY} skipped", section["skipped"][:60], "", "skip"))
     for key, value in sections.items():
         if isinstance(value, dict) and "error" in value:
             rows.append((f"{key} raised", value["error"].splitlines()[-1][:60], "", "FAIL"))
@@ -132,6 +179,10 @@ def main() -> int:
     parser.add_argument("--sections", default="".join(SECTIONS),
                         help=f"which sections to run, e.g. 'ab' (default {''.join(SECTIONS)})")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/gpu_check_<gpu>.json)")
+    parser.add_argument("--quick", action="store_true",
+                        help="correctness of b, d, f, i, e, g first, then the timings of a, c, e, g (no h)")
+    parser.add_argument("--budget-s", type=float, default=360.0,
+                        help="with --quick: skip timing steps that would start after this many seconds")
     args = parser.parse_args()
     from dwdp.runtime.transport import cuda_api
 
@@ -144,13 +195,26 @@ def main() -> int:
     found = versions()
     print("versions: " + ", ".join(f"{k} {v}" for k, v in found.items()), flush=True)
     started = time.perf_counter()
-    sections = run_sections(args.sections, SECTIONS, after_each=torch.cuda.empty_cache)
-    failures = failures_of(sections)
-    result = {"bench": "gpu_check", "date": time.strftime("%Y-%m-%d"), "code": code_version(), "versions": found,
-              "seconds": time.perf_counter() - started, "sections": sections, "failures": failures}
-    path = args.out or RESULTS / f"gpu_check_{device_tag('cuda')}.json"
+    path = args.out or RESULTS / f"gpu_check_{device_tag('cuda')}{'_quick' if args.quick else ''}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+    def write(sections: dict) -> dict:
+        result = {"bench": "gpu_check", "date": time.strftime("%Y-%m-%d"), "code": code_version(), "versions": found,
+                  "quick": args.quick, "seconds": time.perf_counter() - started, "sections": sections,
+                  "failures": failures_of(sections)}
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return result
+
+    def after_each(sections: dict) -> None:
+        torch.cuda.empty_cache()
+        write(sections)
+
+    if args.quick:
+        sections = run_steps(QUICK, SECTIONS, after_each, budget_s=args.budget_s)
+    else:
+        sections = run_sections(args.sections, SECTIONS, after_each)
+    result = write(sections)
+    failures = result["failures"]
     print(f"wrote {path} ({result['seconds']:.0f} s)")
     for f in failures:
         print(f"FAILED: {f}")

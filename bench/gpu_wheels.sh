@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
-# The wheels a GPU machine without network lacks for `dwdp serve`, the openai client and nvtx: downloaded
-# here for its Python (3.12, x86-64 Linux) into .whl/ (git-ignored), at the versions of constraints.txt.
-# On the GPU machine, install them beside its own packages:
-#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+# Everything a GPU machine without network needs carried for the GPU checks, in one step, into two git-ignored
+# folders of this checkout:
+#   .whl/  the wheels the GPU image lacks for `dwdp serve`, the openai client and nvtx (gpu_check section h; the
+#          --quick check needs none of them), for its Python (3.12, x86-64 Linux), at constraints.txt's versions;
+#   .gpu/  ../shared/gpu/probe_vmm.py (the cuMem probe; ../shared does not travel to the GPU machine).
+# Then, on the GPU machine (the device tool: carry [".whl", ".gpu"]), the one command:
+#   python3 -m pip install -q --no-deps --no-build-isolation -e . && \
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; \
+#   python3 bench/gpu_check.py --quick; python3 .gpu/probe_vmm.py bench/results/probe_vmm_<gpu>.json
 # Usage (repository root): bench/gpu_wheels.sh [python version, default 3.12]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +21,15 @@ for name in "${names[@]}"; do
   pin=$(grep -i -E "^${name//-/[-_]}==" constraints.txt || true)
   pins+=("${pin:-$name}")
 done
-grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-mkdir -p .whl
+for folder in .whl .gpu; do
+  grep -qxF "/$folder/" .git/info/exclude 2>/dev/null || echo "/$folder/" >> .git/info/exclude
+done
+mkdir -p .whl .gpu
+if [ -f ../shared/gpu/probe_vmm.py ]; then
+  cp ../shared/gpu/probe_vmm.py .gpu/
+else
+  echo "../shared/gpu/probe_vmm.py not found: .gpu/ holds no probe" >&2
+fi
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64 \
          manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_24_x86_64; do
@@ -25,4 +37,4 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$python_version" --implementation cp \
   "${platforms[@]}" -d .whl "${pins[@]}"
-ls .whl
+ls .whl .gpu

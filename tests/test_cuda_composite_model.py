@@ -43,17 +43,56 @@ def _fake_cuda_backend(drivers: list) -> None:
                                                                            imex=False)
 
 
+def _record_close_order(events: list) -> None:
+    """Log, in this process, when the board entry goes and when the transport closes its exports, with
+    whether the exported fds were still open at the withdraw."""
+    from dwdp.runtime.board import Board
+    from dwdp.runtime.transport.cuda import CudaTransport
+
+    withdraw, seal = Board.withdraw, CudaTransport.seal
+
+    def recording_withdraw(board, rank):
+        events.append(("withdraw", [fd for t in _live_transports for fd in t._exported_fds]))
+        return withdraw(board, rank)
+
+    def recording_seal(transport):
+        _live_transports.append(transport)
+        if transport._closed:
+            events.append(("close exports", list(transport._exported_fds)))
+        return seal(transport)
+
+    Board.withdraw, CudaTransport.seal = recording_withdraw, recording_seal
+
+
+_live_transports: list = []
+
+
+def _eperm(pid, fds):
+    import errno
+    import os
+
+    raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+
+
 def _rank(rank: int) -> dict:
+    from dwdp.runtime.transport import cuda_vmm
+
     torch.set_num_threads(1)
     drivers: list = []
     _fake_cuda_backend(drivers)
+    events: list = []
+    _record_close_order(events)
     group = init_group(2)
     gen = torch.Generator().manual_seed(90 + rank)
     ids = [torch.randint(3, 128, (2, 6 + i), generator=gen) for i in range(2)]
     out = {}
+    # gpt_oss: pidfd_getfd refused with EPERM (a container's seccomp profile): the fds come over the socket.
     cases = [("mixtral", "composite", {}), ("qwen3_moe", "auto", dict(num_local_experts=5)),
              ("gpt_oss", "composite", {})]
+    getfds = cuda_vmm.pidfd_getfds
     for index, (family, kernel, extra) in enumerate(cases):
+        cuda_vmm.pidfd_getfds = _eperm if family == "gpt_oss" else getfds
+        del events[:]
         model = build_tiny_model(family, seed=40 + index, num_hidden_layers=3)
         reference = build_tiny_model(family, seed=40 + index, num_hidden_layers=3)
         with torch.no_grad():
@@ -66,10 +105,12 @@ def _rank(rank: int) -> dict:
                      plans=wrapped.stats.plans_issued, layers=len(wrapped.experts_layers),
                      access=len(driver.access), reserved=len(driver.reserved),
                      imports=driver.names().count("cuMemImportFromShareableHandle"), errors=list(driver.errors),
-                     peer_allocations=len(wrapped.transport._peer_ranges[1 - rank].sizes))
+                     peer_allocations=len(wrapped.transport._peer_ranges[1 - rank].sizes),
+                     fd_path=wrapped.transport.fd_paths[1 - rank])
         r.update(diff=max((g - w).abs().max().item() for g, w in zip(got, want)),
                  scale=max(w.abs().max().item() for w in want),
-                 left=(len(driver.mapped), len(driver.reserved), len(driver.memory)), errors_after=list(driver.errors))
+                 left=(len(driver.mapped), len(driver.reserved), len(driver.memory)), errors_after=list(driver.errors),
+                 close_events=[(what, bool(fds)) for what, fds in events])
         out[f"{family}:{kernel}"] = r
     return out
 
@@ -92,6 +133,10 @@ def test_two_rank_cuda_model_in_composite_mode_matches_the_unwrapped_model(resul
             assert r["reserved"] == 3 and r["access"] == 1 + r["layers"] + 1, (name, r)
             assert r["imports"] == r["peer_allocations"] and not r["errors"] and not r["errors_after"], (name, r)
             assert r["left"] == (0, 0, 0), f"{name}: close left mappings/ranges/allocations {r['left']}"
+            want_path = "socket (pidfd_getfd: EPERM)" if name.startswith("gpt_oss") else "pidfd_getfd"
+            assert r["fd_path"] == want_path, (name, r["fd_path"])
+            # The board entry goes while the exports it names are still open, and before they close.
+            assert r["close_events"] == [("withdraw", True), ("close exports", True)], (name, r["close_events"])
 
 
 class _Answers:
@@ -143,3 +188,42 @@ def test_ipc_fallback_is_one_log_line_under_auto_and_an_error_for_composite(capl
         _choose_composite("composite", "cuda", 0, "ipc")
     assert _choose_composite("auto", "cuda", 0, "vmm-posix-fd") is True
     assert _choose_composite("triton", "cuda", 0, "vmm-posix-fd") is False
+
+
+def test_fabric_handles_that_do_not_cross_fall_back_to_posix_fds_with_the_reason(monkeypatch, caplog):
+    from dwdp.runtime.transport import cuda as cuda_transport
+
+    monkeypatch.setattr(cuda_transport, "local_vmm_mapping", lambda rank, device: "vmm-fabric")
+    monkeypatch.setattr(cuda_transport, "fabric_import_refusals",
+                        lambda rank, device, gather: ["rank 1: import from rank 0: CUDA_ERROR_NOT_PERMITTED"])
+    with caplog.at_level(logging.INFO, logger="dwdp"):
+        got = _cuda_mapping("auto", "auto", _Answers(0, [("a", "vmm-fabric"), ("a", "vmm-fabric")]), torch.device("cuda"))
+    assert got == "vmm-posix-fd"
+    assert any("fabric handles do not cross" in r.getMessage() and "NOT_PERMITTED" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("refuse_import", [False, True])
+def test_the_fabric_trial_imports_every_peers_handle(refuse_import):
+    from dwdp.runtime.transport.cuda import fabric_import_refusals
+    from dwdp.runtime.transport.cuda_vmm import Vmm
+    from fake_cuda_vmm import FakeDriver
+
+    peer = Vmm(0, FakeDriver())
+    peer_handle = peer.create(peer.granularity("fabric"), "fabric")
+    peer_raw = peer.export(peer_handle, "fabric")
+    driver = FakeDriver()
+    driver.refuse_fabric_import = refuse_import
+    rounds = []
+
+    def gather(mine):  # rank 0 of two; rank 1 exported peer_raw and refused nothing
+        rounds.append(mine)
+        return [mine, peer_raw] if len(rounds) == 1 else [mine, []]
+
+    refusals = fabric_import_refusals(0, "cuda:0", gather, driver=driver)
+    assert len(rounds) == 2 and isinstance(rounds[0], bytes) and len(rounds[0]) == 64
+    assert bool(refusals) == refuse_import
+    if refuse_import:
+        assert refusals == [f"rank 0: import from rank 1: {refusals[0].split(': ', 2)[2]}"]
+        assert "NOT_PERMITTED" in refusals[0]
+    assert not driver.memory and driver.retained == 0, "the trial left an allocation or a context reference"

@@ -21,6 +21,7 @@ from dwdp.runtime.transport.base import PrefetchError
 from dwdp.runtime.transport.cuda import CudaTransport
 from fake_cuda import FakeCudaApi, FakeDevice
 from fake_cuda_vmm import GRANULARITY, HostBackedDriver
+from test_composite_layout import PLACEMENTS, TENSOR_SETS
 
 PAGE = 4096
 CASES = {  # granularity, bytes of one expert's tensors (not multiples of g: boundary pages are shared)
@@ -34,7 +35,7 @@ class VmmGroup:
     seeded [E * nb] tensors, handles exchanged as the setup's all-gather would, opened and sealed."""
 
     def __init__(self, case="page", E=8, G=3, L=None, num_layers=2, slice_bytes=1000):
-        g, self.nbytes = CASES[case]
+        g, self.nbytes = CASES[case] if isinstance(case, str) else case  # a name, or (granularity, nbytes)
         self.E, self.G, self.num_layers, self.slice_bytes = E, G, num_layers, slice_bytes
         self.placement = build_placement(E, G, L)
         self.layouts = composite_layouts(self.placement, num_layers, self.nbytes, g, num_slots=2)
@@ -345,3 +346,99 @@ def test_every_driver_call_of_the_lifecycle_gets_the_no_driver_error_from_the_re
     fabric = real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC  # the fabric import takes the 64 bytes
     with pytest.raises(NoCudaDriverError):
         _check_driver("cuMemImportFromShareableHandle", real.cuMemImportFromShareableHandle, bytes(64), fabric)
+
+
+# Every layout case of tests/test_composite_layout.py at the page size, and its 2 MiB cases, built on the
+# strict fakes through the transport: experts that are and are not multiples of g, redundant, wrapping
+# and one-rank placements, biases, fp8 and MXFP4 scales.
+STRICT_CASES = [(*p, t, PAGE) for p in PLACEMENTS for t in sorted(TENSOR_SETS)] + [
+    (8, 2, 4, "bf16_odd", GRANULARITY), (7, 3, 3, "fp8", GRANULARITY), (16, 3, 8, "bias", GRANULARITY)]
+
+
+@pytest.mark.parametrize("E,G,L,tensors,granularity", STRICT_CASES)
+def test_every_layout_case_builds_on_the_strict_fakes_and_the_views_hold_the_experts(E, G, L, tensors, granularity):
+    group = VmmGroup((granularity, TENSOR_SETS[tensors]), E, G, L, num_layers=3, slice_bytes=1000).open()
+    for r in range(G):
+        for layer in range(group.num_layers):
+            group.prefetch(r, layer)
+            for k in range(len(group.nbytes)):
+                assert torch.equal(group.view_bytes(r, layer, k), group.stacked[layer][k]), (r, layer, k)
+        assert not group.drivers[r].errors, group.drivers[r].errors
+    group.close()
+
+
+def test_close_waits_for_the_compute_and_copy_streams_before_the_first_unmap():
+    group = VmmGroup("page").open()
+    t, driver, api = group.transports[0], group.drivers[0], group.apis[0]
+    group.prefetch(0, 0)
+    api.launch(lambda: None)  # a kernel reading the views, still on the compute stream
+    device_calls_at_unmap = []
+    unmap = driver.cuMemUnmap
+
+    def recording_unmap(ptr, size):
+        if not device_calls_at_unmap:
+            device_calls_at_unmap.extend(group.device.calls)
+        return unmap(ptr, size)
+
+    driver.cuMemUnmap = recording_unmap
+    t.close()
+    calls = [(name, args) for rank, name, args in device_calls_at_unmap if rank == 0]
+    recorded = {args[0]: args[1] for name, args in calls if name == "event_record"}
+    waited = [recorded.get(args[0]) for name, args in calls if name == "event_wait"]
+    assert api.compute in waited, "no wait on the compute stream before the first cuMemUnmap"
+    assert t._stream is None and group.device.streams  # the copy stream was waited on too, then destroyed
+    copy_streams = [sid for sid, kind in group.device.stream_kind.items() if kind == "copy"]
+    assert any(w in copy_streams for w in waited), "no wait on the copy stream before the first cuMemUnmap"
+    group.close()
+
+
+def test_a_peer_segment_is_a_tensor_over_its_mapping_not_a_copy():
+    group = VmmGroup("page").open()
+    t = group.transports[0]
+    for peer in (1, 2):
+        tensor = t.peer_segment(peer)
+        assert tensor.data_ptr() == t._peer_ranges[peer].ptr, "the peer's segment was copied"
+        assert torch.equal(tensor[:group.segments[peer].numel()], group.segments[peer])
+    group.close()
+
+
+def _placement_4(kind):
+    """A 4-rank group: 10 experts, 3 each, some owned twice (each rank pulls 2 or 3 from each peer: uneven),
+    or 8 experts, 4 each, every one owned twice (redundant, wrapping)."""
+    return {"uneven": build_placement(10, 4, 3), "redundant": build_placement(8, 4, 4)}[kind]
+
+
+@pytest.mark.parametrize("kind", ["uneven", "redundant"])
+def test_the_composite_plan_keeps_time_division_order_for_every_rank(kind):
+    """Slices of at most slice_bytes, slice offset first, peers round-robin from rank + 1: a plan that
+    pulls its peers in rank order would make every rank hit peer 0 first."""
+    from dwdp.runtime.plan import pull_order
+
+    placement = _placement_4(kind)
+    slice_bytes = 1000
+    layouts = composite_layouts(placement, 2, TENSOR_SETS["bf16_odd"], PAGE)
+    for rank in range(4):
+        plan = build_composite_plan(layouts, rank, 1, slice_bytes)
+        assert plan.slices and all(0 < s.nbytes <= slice_bytes for s in plan.slices)
+        order = [p for p in pull_order(rank, 4) if p in plan.peers]
+        assert plan.slices[0].peer == order[0] == (rank + 1) % 4 or (rank + 1) % 4 not in plan.peers
+        # Round k holds the k-th slice of every peer that still has one, in pull order.
+        per_peer = {p: [s for s in plan.slices if s.peer == p] for p in order}
+        want = [per_peer[p][k] for k in range(max(len(v) for v in per_peer.values())) for p in order
+                if k < len(per_peer[p])]
+        assert list(plan.slices) == want, f"rank {rank}: slices are not round-robin over {order}"
+
+
+def test_the_copies_issued_keep_the_peers_round_robin():
+    group = VmmGroup("page", E=10, G=4, L=3, slice_bytes=500).open()
+    for rank in range(4):
+        start = len(group.device.calls)
+        plan = group.prefetch(rank, 1)
+        srcs = [src for r, name, args in group.device.calls[start:] if r == rank and name == "prepare_batch"
+                for src in args[1]]
+        peers = [next(p for p, m in group.transports[rank]._peer_ranges.items()
+                      if m.ptr <= src < m.ptr + m.nbytes) for src in srcs]
+        first_round = list(dict.fromkeys(peers))
+        assert first_round == [p for p in ((rank + k) % 4 for k in range(1, 4)) if p in plan.peers], \
+            f"rank {rank} issued its peers in the order {first_round}"
+    group.close()

@@ -84,3 +84,40 @@ def test_kernel_section_reports_tma_and_pointers_side_by_side_on_the_same_tiles(
                                      f"{tma_moe:.0f} / {pointers_moe:.0f} TFLOP/s = {tma_moe / pointers_moe:.2f}x"], paths
     assert [r[3] for r in paths] == ["ok" if tma_gemm >= pointers_gemm else "miss",
                                      "ok" if tma_moe >= pointers_moe else "miss"], paths
+
+
+def _halves(key: str, calls: list):
+    def run(sections, part="all"):
+        calls.append((key, part))
+        return {"failures": [f"{key} {part} failed"] if part == "timing" and key == "e_kernel" else [],
+                "accuracy" if part == "correctness" else "speed": {part: 1}}
+
+    return SimpleNamespace(KEY=key, REQUIRES=(), run=run, summary=lambda section: [])
+
+
+def test_quick_runs_every_correctness_check_before_any_timing():
+    steps = list(gpu_check.QUICK)
+    timing = [i for i, (_, part) in enumerate(steps) if part not in gpu_check.CORRECTNESS_PARTS]
+    correctness = [i for i, (_, part) in enumerate(steps) if part in gpu_check.CORRECTNESS_PARTS]
+    assert max(correctness) < min(timing), steps
+    assert [letter for letter, _ in steps[:6]] == list("bdfieg") and "h" not in dict(steps), steps
+
+
+def test_the_halves_of_a_section_merge_and_the_json_is_written_after_every_step():
+    calls, written = [], []
+    modules = {"a": _section("a_ok"), "e": _halves("e_kernel", calls)}
+    sections = gpu_check.run_steps([("e", "correctness"), ("a", "all"), ("e", "timing")], modules,
+                                   after_each=lambda s: written.append(sorted(s)))
+    assert calls == [("e_kernel", "correctness"), ("e_kernel", "timing")]
+    assert sections["e_kernel"]["accuracy"] == {"correctness": 1} and sections["e_kernel"]["speed"] == {"timing": 1}
+    assert gpu_check.failures_of(sections) == ["e_kernel timing failed"]
+    assert written == [["e_kernel"], ["a_ok", "e_kernel"], ["a_ok", "e_kernel"]]
+
+
+def test_timing_steps_past_the_budget_are_skipped_and_correctness_steps_never_are():
+    calls = []
+    modules = {"e": _halves("e_kernel", calls), "g": _halves("g_fp8", calls)}
+    sections = gpu_check.run_steps([("e", "correctness"), ("g", "correctness"), ("e", "timing")], modules,
+                                   budget_s=-1.0)
+    assert calls == [("e_kernel", "correctness"), ("g_fp8", "correctness")]
+    assert "budget" in sections["e_kernel"]["skipped"] and sections["e_kernel"]["accuracy"]

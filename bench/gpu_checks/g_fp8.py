@@ -14,7 +14,9 @@ SHAPES = (("h2048-i768-e16", 2048, 768, 16, 8), ("dsv3-dims-e64", 7168, 2048, 64
 FP8_OVER_BF16_TARGET = 1.6
 
 
-def _shape(name: str, hidden: int, inter: int, experts: int, top_k: int, tokens: int, bench, device="cuda") -> dict:
+def _shape(name: str, hidden: int, inter: int, experts: int, top_k: int, tokens: int, bench, device="cuda",
+           part: str = "all") -> dict:
+    """One shape's accuracy (part "correctness"), speeds ("timing"), or both ("all")."""
     from dwdp.kernels import (BlockQuant, device_info, expert_weight_table, moe_experts, moe_experts_reference,
                               moe_launch_configs, quantize_fp8, scale_table)
 
@@ -35,14 +37,19 @@ def _shape(name: str, hidden: int, inter: int, experts: int, top_k: int, tokens:
                   down_scales=scale_table(list(down_scales), down_quant, down_table, "down"))
     accuracy, timing, failures = {}, {}, []
     for variant, extra in (("bf16 dots", {}), ("fp8 dots", {"fp8_activations": True})):
-        want = moe_experts_reference(x[:512], index[:512], weights[:512], list(gate_up), list(down), **fp8,
-                                     **extra).float()
-        got = moe_experts(x[:512], index[:512], weights[:512], list(gate_up), list(down), **fp8, **extra).float()
-        accuracy[variant] = ((got - want).norm() / want.norm()).item()
-        if not accuracy[variant] < 1e-2:
-            failures.append(f"fp8 kernel {name} {variant}: relative error {accuracy[variant]:.3e} >= 1e-2")
+        if part in ("all", "correctness"):
+            want = moe_experts_reference(x[:512], index[:512], weights[:512], list(gate_up), list(down), **fp8,
+                                         **extra).float()
+            got = moe_experts(x[:512], index[:512], weights[:512], list(gate_up), list(down), **fp8, **extra).float()
+            accuracy[variant] = ((got - want).norm() / want.norm()).item()
+            if not accuracy[variant] < 1e-2:
+                failures.append(f"fp8 kernel {name} {variant}: relative error {accuracy[variant]:.3e} >= 1e-2")
+        if part == "correctness":
+            continue
         timing[variant] = time_on(torch.cuda.current_stream(), lambda extra=extra: moe_experts(
             x, index, weights, gate_up_table, down_table, **tables, **extra), warmup=3, repeats=10)
+    if part == "correctness":
+        return {"accuracy": accuracy, "failures": failures}
     dense_gate_up = [w.bfloat16() for w in gate_up.float()]  # the same values in bf16
     dense_down = [w.bfloat16() for w in down.float()]
     dense_tables = (expert_weight_table(dense_gate_up), expert_weight_table(dense_down))
@@ -73,7 +80,7 @@ def _shape(name: str, hidden: int, inter: int, experts: int, top_k: int, tokens:
             "configs": configs, "failures": failures}
 
 
-def run(sections: dict, tokens: int = 4096) -> dict:
+def run(sections: dict, tokens: int = 4096, part: str = "all") -> dict:
     """fp8 experts with 128 x 128 block scales (DeepSeek-V3's format, gate and up blocked apart) through
     the Triton kernel, per shape: bf16 dots (tiles dequantized in the K loop) and fp8 x fp8 dots (tokens
     quantized per row and 128 columns, h quantized in gate_up's epilogue) against their references, and
@@ -83,7 +90,7 @@ def run(sections: dict, tokens: int = 4096) -> dict:
     bench = _grouped_gemm_bench()
     shapes, failures = {}, []
     for name, hidden, inter, experts, top_k in SHAPES:
-        shapes[name] = _shape(name, hidden, inter, experts, top_k, tokens, bench)
+        shapes[name] = _shape(name, hidden, inter, experts, top_k, tokens, bench, part=part)
         failures += shapes[name].pop("failures")
         torch.cuda.empty_cache()
     return {"tokens": tokens, "shapes": shapes, "target_fp8_over_bf16": FP8_OVER_BF16_TARGET, "failures": failures}
@@ -93,8 +100,10 @@ def summary(section: dict) -> list[tuple[str, str, str, str]]:
     """(check, measured, target, verdict) rows of this section for the table."""
     rows = []
     for name, shape in section.get("shapes", {}).items():
-        for variant, err in shape["accuracy"].items():
+        for variant, err in shape.get("accuracy", {}).items():
             rows.append((f"g {name} {variant} vs reference", f"{err:.2e} rel", "< 1e-2", "ok" if err < 1e-2 else "FAIL"))
+        if "tflops" not in shape:
+            continue
         tf, ratios = shape["tflops"], shape["ratios"]
         ratio = ratios["fp8 dots / our bf16"]
         rows.append((f"g {name} T={section['tokens']} fp8 dots / our bf16",
