@@ -155,7 +155,9 @@ def run(sections: dict) -> dict:
 
     # 2048 x 1032 bf16 = 2 MiB + 16 KiB per expert: neighbouring experts share boundary pages.
     opts = {"experts": 16, "n": 2048, "k": 1032, "layers": 3, "tokens": 8192, "seed": 0, "slice_bytes": 1 << 20,
-            "model": {"family": "qwen3_moe", "hidden": 1000, "intermediate": 700, "experts": 8, "top_k": 2,
+            # Experts of 2,939,136 and 1,469,568 bytes (not multiples of 2 MiB); rows of 2064 and 1424 bytes,
+            # multiples of 16 as torch._grouped_mm (transformers' default experts path) requires.
+            "model": {"family": "qwen3_moe", "hidden": 1032, "intermediate": 712, "experts": 8, "top_k": 2,
                       "layers": 3, "vocab": 2048, "seq": 64}}
     ranks = launch_local(_composite_rank, 2, (opts,), timeout_s=400)
     failures = []
