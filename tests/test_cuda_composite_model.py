@@ -3,7 +3,7 @@ are CudaTransport over the recording fakes (tests/fake_cuda.py's EagerFakeCudaAp
 tests/fake_cuda_vmm.py's HostBackedDriver for cuMem), the model's tensors on the CPU. What runs is
 dwdp's own setup (VMM probe, the group's mapping choice, cuMemCreate segment, views, export, pidfd_getfd
 import), the prefetch's copies into the views, and the model's experts implementation on the views; the
-logits must match the unwrapped model. Not yet run on a GPU.
+logits must match the unwrapped model. The same path ran on one H200 (tests/test_gpu.py, gpu_check i).
 """
 import logging
 

@@ -2,7 +2,7 @@
 tests/fake_cuda.py (runtime API: streams, events, copies by memmove) and tests/fake_cuda_vmm.py's
 HostBackedDriver (driver API: cuMem allocations that are memfds mapped at the addresses handed out).
 Ranks live in one process, each with a driver of its own; POSIX fds move with the real pidfd_getfd.
-Not yet run on a GPU: these check the calls and bytes as written, not a device.
+These check the calls and bytes as written, not a device; the same code ran on one H200 (bench/README.md).
 
 Legend: g = granularity, E = experts, G = ranks.
 """

@@ -166,7 +166,7 @@ def _composite_tables(layer: ExpertsLayer, table_order: list[int]) -> LayerTable
 
 
 def _cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, device: torch.device) -> str:
-    """How the cuda backend maps peers' segments (not yet run on a GPU for the VMM mappings).
+    """How the cuda backend maps peers' segments (POSIX fds ran on one H200; fabric not yet run on a GPU).
 
     "auto" or "vmm" with a composite-capable experts_kernel ("auto", "composite"): each rank probes
     what its device exports (cuda_vmm.choose_mapping: fabric with an IMEX channel, else POSIX fd,

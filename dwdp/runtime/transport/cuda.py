@@ -20,7 +20,7 @@ the events against a deadline and name the peers still outstanding.
 Every device call goes through `api` (dwdp.runtime.transport.cuda_api by default), so tests drive this
 control logic with a recording fake on a CPU.
 
-VMM mappings ("vmm-posix-fd", "vmm-fabric"; not yet run on a GPU past setup): the segment is a list
+VMM mappings ("vmm-posix-fd" ran on one H200, 2026-11-27; "vmm-fabric" not yet run on a GPU): the segment is a list
 of cuMemCreate allocations (one per local extent of each layer and tensor in composite mode, else
 one), exportable as POSIX fds or fabric handles, mapped whole and back to back into one range with one
 cuMemSetAccess; `register` exports every allocation (POSIX fds: the exporter's pid, PID namespace and
@@ -343,7 +343,7 @@ class CudaTransport(Transport):
 
     def composite_views(self, layout) -> CudaCompositeViews:
         """This rank's composite views over its segment (see dwdp.runtime.transport.cuda_vmm); closed
-        with the transport. Not yet run on a GPU."""
+        with the transport. Ran on one H200 with POSIX fds."""
         if self._own_range is None:
             raise RuntimeError(f"rank {self.rank}: composite_views() needs a VMM segment (mapping "
                                f"{self.mapping!r}; alloc_segment first)")
@@ -524,7 +524,7 @@ class CudaTransport(Transport):
         """register()'s handle in JSON (bytes as hex), for the group's board: an IPC or fabric handle is
         valid for as long as this process holds its segment; a POSIX fd export is kept open (and served
         where Yama refuses pidfd_getfd) until close, so a rank started later can still take it. Call
-        before seal. Not yet run on a GPU."""
+        before seal. A rejoin on CUDA has not yet run on a GPU."""
         if not self.can_rejoin:
             raise ValueError(f"rank {self.rank}: mapping {self.mapping!r} cannot be rejoined; expected one of "
                              f"{REJOINABLE_MAPPINGS}")
@@ -546,7 +546,7 @@ class CudaTransport(Transport):
     def open_peer(self, peer: int, handle: dict) -> None:
         """Map the segment of a new incarnation of `peer` (lost, forgotten, then rejoined: `handle` is its
         board_handle). Plans prepared while the old incarnation was mapped are dropped, so no copy ever
-        reads the dead process's mapping again. Not yet run on a GPU."""
+        reads the dead process's mapping again. Not yet run on a GPU (tested through the fakes)."""
         if self._closed or not self._peer_ptrs:
             raise RuntimeError(f"rank {self.rank}: open_peer() needs an open transport")
         if peer == self.rank or not 0 <= peer < len(self._peer_ptrs):
@@ -837,7 +837,7 @@ class CudaTransport(Transport):
 def local_vmm_mapping(rank: int, device, driver=None) -> str:
     """What this rank's device can export: "vmm-fabric", "vmm-posix-fd" or "ipc" (one log line,
     dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it.
-    Not yet run on a GPU."""
+    Ran on one H200 (it answered "vmm-posix-fd": fabric create refused with no IMEX channel)."""
     vmm = Vmm(torch.device(device).index or 0, driver)
     try:
         # POSIX fds reach peers either way: pidfd_getfd, or the SCM_RIGHTS socket where it is refused.
@@ -851,7 +851,7 @@ def fabric_import_refusals(rank: int, device, all_gather, driver=None) -> list[s
     exports one granule, every rank imports every peer's (an import can be refused with NOT_PERMITTED
     after the export succeeded, e.g. ranks in different IMEX channels). all_gather: the group's
     all_gather_object (two rounds, every rank calls this). Returns every rank's refusals, "rank r: why";
-    empty when every import worked. Not yet run on a GPU."""
+    empty when every import worked. Not yet run on a GPU (a single GPU has no IMEX channel)."""
     vmm = Vmm(torch.device(device).index or 0, driver)
     handle, raw, refusals = None, None, []
     try:

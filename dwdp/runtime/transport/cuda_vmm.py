@@ -1,5 +1,6 @@
-"""CUDA composite views with the virtual memory management API: not yet run on a GPU past setup
-(bench/results/probe_vmm_h200_862d26c.json settled the driver's rules this module follows).
+"""CUDA composite views with the virtual memory management API. Ran on one H200 with POSIX fds, two ranks
+sharing it (bench/results/gpu_check_h200_quick.json, section i); fabric handles not yet run on a GPU.
+bench/results/probe_vmm_h200_862d26c.json settled the driver's rules this module follows.
 
 Legend: g = allocation granularity (cuMemGetAllocationGranularity MINIMUM, 2 MiB on H100/H200),
 M = MoE layers, A = allocations of a rank's segment (one per local extent of each (layer, tensor)).
