@@ -157,9 +157,9 @@ def test_composite_moves_exactly_the_remote_experts(results):
 
 
 def test_auto_falls_back_to_the_tables_path_with_one_log_line(monkeypatch, caplog):
-    import dwdp.runtime.model as model_module
+    import dwdp.runtime.transport.host as host_module
 
-    monkeypatch.setattr(model_module, "composite_unsupported_reason", lambda: "no MAP_FIXED here (test)")
+    monkeypatch.setattr(host_module, "composite_unsupported_reason", lambda: "no MAP_FIXED here (test)")
     model = build_tiny_model("mixtral", seed=1)
     with caplog.at_level(logging.INFO, logger="dwdp"):
         with DWDPModel(model, DWDPConfig(), DWDPGroup(0, 1)) as wrapped:

@@ -13,7 +13,9 @@ import torch
 from dwdp.models.tiny import build_tiny_model
 from dwdp.runtime.config import DWDPConfig
 from dwdp.runtime.group import init_group, launch_local
-from dwdp.runtime.model import DWDPModel, _choose_composite, _cuda_mapping
+from dwdp.runtime.cuda_mapping import settle_cuda_mapping as _cuda_mapping
+from dwdp.runtime.experts_paths import resolve_experts_path
+from dwdp.runtime.model import DWDPModel
 from dwdp.runtime.transport.host_composite import composite_unsupported_reason
 from logits_check import check_logits
 
@@ -178,16 +180,38 @@ def test_vmm_across_hosts_without_fabric_is_refused(monkeypatch):
         _cuda_mapping("vmm", "auto", _Answers(0, [("a", "vmm-posix-fd"), ("b", "vmm-posix-fd")]), torch.device("cuda"))
 
 
+def _resolve(kernel: str, mapping: str, rank: int = 0):
+    """The experts path resolve_experts_path picks for a cuda transport (on the fakes) with `mapping`."""
+    from dwdp.runtime.group import DWDPGroup
+    from dwdp.runtime.placement import build_placement
+    from dwdp.runtime.transport.cuda import CudaTransport
+    from dwdp.runtime.experts_paths import TablesPath
+    from dwdp.models.adapters import find_experts
+    from fake_cuda import FakeCudaApi, FakeDevice
+    from fake_cuda_vmm import HostBackedDriver
+
+    model = build_tiny_model("mixtral", seed=1, num_hidden_layers=1)
+    layers = find_experts(model)
+    transport = CudaTransport(rank, "cpu", mapping=mapping, api=FakeCudaApi(FakeDevice(), rank),
+                              driver=HostBackedDriver(PAGE))
+    try:
+        path = resolve_experts_path(DWDPConfig(experts_kernel=kernel), layers, build_placement(8, 2), rank,
+                                    transport, torch.device("cpu"))
+        return path.name if not isinstance(path, TablesPath) else f"tables:{path.kernel}"
+    finally:
+        transport.close()
+
+
 def test_ipc_fallback_is_one_log_line_under_auto_and_an_error_for_composite(caplog):
     with caplog.at_level(logging.INFO, logger="dwdp"):
-        assert _choose_composite("auto", "cuda", 1, "ipc") is False
+        assert _resolve("auto", "ipc", rank=1) == "tables:reference"
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rank 1:")]
     assert len(lines) == 1 and "multi-buffer" in lines[0] and "'ipc'" in lines[0], lines
     with pytest.raises(ValueError, match="experts_kernel='composite' cannot run here: the cuda backend maps peers "
                                          "with 'ipc'"):
-        _choose_composite("composite", "cuda", 0, "ipc")
-    assert _choose_composite("auto", "cuda", 0, "vmm-posix-fd") is True
-    assert _choose_composite("triton", "cuda", 0, "vmm-posix-fd") is False
+        _resolve("composite", "ipc")
+    assert _resolve("auto", "vmm-posix-fd") == "composite"
+    assert _resolve("reference", "vmm-posix-fd") == "tables:reference"
 
 
 def test_fabric_handles_that_do_not_cross_fall_back_to_posix_fds_with_the_reason(monkeypatch, caplog):

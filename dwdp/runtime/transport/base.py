@@ -211,8 +211,35 @@ class Transport(ABC):
     faulty_peers: Mapping[int, str] = MappingProxyType({})  # peer -> why copies from it fail (fault hook)
 
     @abstractmethod
-    def alloc_segment(self, nbytes: int) -> torch.Tensor:
-        """This rank's source segment: uint8 [nbytes] that peers can read."""
+    def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
+        """This rank's source segment: uint8 [nbytes] that peers can read. allocations: the sizes of the
+        pieces it is made of (CompositeLayout.segment_allocations); a backend that maps allocations only
+        whole (cuMem) makes one allocation per piece, one that maps files at offsets may ignore it."""
+
+    # -- composite views (dwdp.runtime.composite): backends that can map pages build them --------
+    def composite_unavailable(self) -> str | None:
+        """Why this transport cannot build composite views (None when it can)."""
+        return f"the {self.name} backend builds no composite views"
+
+    def granularity(self) -> int:
+        """Bytes of one page of the composite views (the host's page, cuMem's granularity)."""
+        raise ValueError(self.composite_unavailable() or f"the {self.name} backend has no page granularity")
+
+    def composite_views(self, layout):
+        """This rank's composite views of `layout` over its segment (alloc_segment first, with the
+        layout's allocations): an object with `layer_range(layer)` (uint8 [layer_nbytes], the
+        destination of the layer's composite copy plan) and `view(layer, tensor, dtype, shape)` (the
+        [E, ...] tensor). Closed with the transport."""
+        raise ValueError(self.composite_unavailable() or f"the {self.name} backend builds no composite views")
+
+    def describe_mapping(self) -> str:
+        """How this rank's segment and its peers' are mapped, for the setup's log line."""
+        return self.name
+
+    def peer_segment(self, peer: int) -> torch.Tensor:
+        """`peer`'s mapped segment, uint8 [nbytes] on this rank's device, never a copy (a rejoining rank
+        copies its experts out of it)."""
+        raise ValueError(f"the {self.name} backend does not expose peers' segments")
 
     @abstractmethod
     def register(self) -> dict:

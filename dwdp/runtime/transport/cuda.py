@@ -303,6 +303,17 @@ class CudaTransport(Transport):
             self._segment = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
         return self._segment
 
+    def composite_unavailable(self) -> str | None:
+        if self._vmm is not None:
+            return None
+        return (f"the cuda backend maps peers with {self.mapping!r}; composite views need cuMem allocations "
+                "(VMM export refused on some rank, or cuda_mapping set to another mapping)")
+
+    def describe_mapping(self) -> str:
+        if self._vmm is None:
+            return f"peers through {self.mapping}"
+        return f"cuMemCreate segment + pool, peers through {self.mapping}, {self.granularity()} B granules"
+
     def granularity(self) -> int:
         """The cuMem allocation granularity of this device for the segment's handle type (VMM only)."""
         if self._vmm is None:

@@ -37,6 +37,7 @@ import torch
 from dwdp import envs
 from dwdp.runtime.plan import CopyPlan, CopySlice, cut_batches
 from dwdp.observe.tracing import now_us
+from dwdp.runtime.transport.host_composite import HostCompositeViews, composite_unsupported_reason, page_size
 from dwdp.runtime.transport.base import PeerUnreadable, Ticket, Transport
 
 SEGMENT_PREFIX = "dwdp-seg-"
@@ -168,7 +169,8 @@ class HostTransport(Transport):
         self.recorder = None  # a dwdp.observe.tracing.TraceRecorder while tracing
 
     # -- setup ---------------------------------------------------------------------------------
-    def alloc_segment(self, nbytes: int) -> torch.Tensor:
+    def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
+        """One /dev/shm file of `nbytes` (allocations: ignored, mmap maps a file at any page offset)."""
         if self._segment is not None:
             raise RuntimeError(f"rank {self.rank}: segment already allocated")
         if not self.shm_dir.is_dir():
@@ -188,6 +190,24 @@ class HostTransport(Transport):
         if self._path is None:
             raise RuntimeError(f"rank {self.rank}: segment_fd() needs an allocated, unsealed segment")
         return os.open(self._path, os.O_RDWR)
+
+    def composite_unavailable(self) -> str | None:
+        return composite_unsupported_reason()
+
+    def granularity(self) -> int:
+        return page_size()
+
+    def composite_views(self, layout) -> HostCompositeViews:
+        """The segment file and a memfd pool mapped MAP_SHARED | MAP_FIXED into one range (only before
+        seal: the file's name goes then). The views live as long as tensors over them."""
+        fd = self.segment_fd()
+        try:
+            return HostCompositeViews(layout, fd)
+        finally:
+            os.close(fd)
+
+    def describe_mapping(self) -> str:
+        return f"/dev/shm segment + memfd pool, mmap MAP_FIXED, {page_size()} B pages"
 
     def register(self) -> dict:
         if self._path is None:
