@@ -358,39 +358,36 @@ def test_take_fds_uses_pidfd_getfd_where_the_kernel_allows_it():
         os.close(fd)
 
 
+def _taken_over_the_socket(count: int, getfd, pid_ns=None) -> str:
+    """take_fds from a served set of `count` files with pidfd_getfd replaced by `getfd`; asserts the fds
+    are the same files and returns how they came."""
+    fds = _files(count)
+    server = FdServer(fds, f"dwdp-test-socket-{os.getpid()}-{count}")
+    try:
+        got, how = take_fds(_handle(fds, server.name, pid_ns=pid_ns), getfd=getfd)
+        assert _same_files(got, fds)
+        for fd in got:
+            os.close(fd)
+        return how
+    finally:
+        server.close()
+        for fd in fds:
+            os.close(fd)
+
+
 @pytest.mark.parametrize("err", [errno.EPERM, errno.ESRCH, errno.ENOSYS])
 def test_take_fds_falls_back_to_the_socket_when_pidfd_getfd_is_refused(err):
     def refused(pid, fds):
         raise OSError(err, os.strerror(err))
 
-    fds = _files(4)
-    server = FdServer(fds, f"dwdp-test-fallback-{os.getpid()}-{err}")
-    try:
-        got, how = take_fds(_handle(fds, server.name), getfd=refused)
-        assert how == f"socket (pidfd_getfd: {errno.errorcode[err]})" and _same_files(got, fds)
-        for fd in got:
-            os.close(fd)
-    finally:
-        server.close()
-        for fd in fds:
-            os.close(fd)
+    assert _taken_over_the_socket(4, refused) == f"socket (pidfd_getfd: {errno.errorcode[err]})"
 
 
 def test_take_fds_never_reads_a_pid_from_another_pid_namespace():
     def forbidden(pid, fds):
         raise AssertionError("pidfd_getfd on a pid of another namespace would reach another process")
 
-    fds = _files(2)
-    server = FdServer(fds, f"dwdp-test-ns-{os.getpid()}")
-    try:
-        got, how = take_fds(_handle(fds, server.name, pid_ns=1), getfd=forbidden)
-        assert how == "socket (another PID namespace)" and _same_files(got, fds)
-        for fd in got:
-            os.close(fd)
-    finally:
-        server.close()
-        for fd in fds:
-            os.close(fd)
+    assert _taken_over_the_socket(2, forbidden, pid_ns=1) == "socket (another PID namespace)"
 
 
 def test_take_fds_raises_other_errors():
