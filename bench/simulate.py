@@ -7,7 +7,9 @@ same forwards (dwdp.predict.simulate): DEP waits at every MoE layer for the slow
 rank alone with its copies' interference. --cvs overrides the per-rank spread packing gives.
 --breakdown prints, per setting, the per-forward breakdown in the DWDP paper's categories for DEP
 and three DWDP variants: the paper's baseline (merge copy, one copy per expert), without the merge
-copy, and without it on dwdp's sliced copy plan.
+copy, and without it on dwdp's sliced copy plan; beside the forward's categories, the time every mode
+pays per forward outside it (host, KV hand-off, other: dwdp.predict.costmodel.outside), then the
+speedup, the gain (speedup - 1) and the speedup of the forwards alone.
 
 Prints the constants and their sources first and the speedup table last; writes
 bench/results/simulate_<model>_<hw>_<dtype>_cpu.json and .png. Seeded.
@@ -29,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from dwdp.predict import costmodel as cm  # noqa: E402
 from dwdp.predict.packing import RequestMix  # noqa: E402
 from dwdp.predict.serve_sim import analytic_service, fitted_service, simulate_rates  # noqa: E402
+from dwdp.predict.costmodel import OUTSIDE_PARTS  # noqa: E402
 from dwdp.predict.simulate import ROWS, SimConfig, simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,13 +62,17 @@ def print_breakdown(cfg: SimConfig, dep: dict, variants: dict) -> None:
     mix = f"std {cfg.isl_std:g}" if cfg.isl_std is not None else f"ratio {cfg.isl_ratio:g}"
     cv = "from packing" if cfg.cv is None else f"{cfg.cv:g}"
     print(f"\nBreakdown per forward, ms (analytic): G={cfg.group_size} ISL={cfg.isl} {mix} MNT={cfg.max_num_tokens} "
-          f"CV={cv}; P2P copy overlaps and is not in Iteration")
+          f"CV={cv}; P2P copy overlaps and is not in Iteration (the forward); Host, KV hand-off and Other are paid "
+          f"outside the forward by every mode")
     names = ["DEP"] + list(variants)
-    print(f"{'category':>16} " + " ".join(f"{n:>16}" for n in names))
+    print(f"{'category':>19} " + " ".join(f"{n:>16}" for n in names))
     for row in ROWS:
+        if row == OUTSIDE_PARTS[0]:
+            print(f"{'-- outside --':>19}")
         cells = [dep[row]] + [v.dwdp[row] for v in variants.values()]
-        print(f"{row:>16} " + " ".join(f"{1e3 * c:>16.2f}" for c in cells))
-    print(f"{'speedup':>16} {'':>16} " + " ".join(f"{v.speedup:>16.3f}" for v in variants.values()))
+        print(f"{row:>19} " + " ".join(f"{1e3 * c:>16.2f}" for c in cells))
+    for name, value in (("speedup", "speedup"), ("gain", "gain"), ("forwards' speedup", "forward_speedup")):
+        print(f"{name:>19} {'':>16} " + " ".join(f"{getattr(v, value):>16.3f}" for v in variants.values()))
 
 
 def main() -> None:
@@ -148,13 +155,16 @@ def main() -> None:
 
     print(f"\nPredicted DWDP/DEP tokens/s per GPU (analytic, not measured): {args.model} {args.dtype} on {args.hw}, "
           f"plan={args.plan}{', merge copy' if args.merge_copy else ''}, {args.iterations} forwards per rank")
+    print("speedup and gain (speedup - 1) include the time outside the forward; fwd_spd: the forwards alone")
     print(f"{'G':>3} {'isl':>6} {'mix':>11} {'mnt':>6} {'cv':>5} {'tok/fwd':>8} {'tok_cv':>6} {'speedup':>8} "
+          f"{'gain':>7} {'fwd_spd':>7} {'outside':>7} "
           f"{'dep_sync':>8} {'dep_a2a':>8} {'dwdp_wait':>9} {'interf':>7} {'stretch':>7} {'fits':>5}")
     for r in rows:
         mix = f"std {r['isl_std']:g}" if r["isl_std"] is not None else f"ratio {r['isl_ratio']:g}"
         cv = "-" if r["cv"] is None else f"{r['cv']:.2f}"
         print(f"{r['group_size']:>3} {r['isl']:>6} {mix:>11} {r['max_num_tokens']:>6} {cv:>5} "
-              f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['dep_sync_frac']:>8.3f} "
+              f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['gain']:>+7.3f} "
+              f"{r['forward_speedup']:>7.3f} {r['dep_outside_frac']:>7.3f} {r['dep_sync_frac']:>8.3f} "
               f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_wait_frac']:>9.3f} {r['dwdp_interference_frac']:>7.3f} "
               f"{r['stretch']:>7.3f} {str(r['dwdp_fits']):>5}")
     if args.ttft_rates:

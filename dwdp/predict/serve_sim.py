@@ -13,14 +13,20 @@ leaves them at once); a rank takes its queue in arrival order, without waiting, 
 - DWDP: every rank runs its next forward as soon as it is free, alone: `forward_s(lengths)`.
 - DEP: the ranks step together: a step starts when the previous one ends and any rank holds a
   prompt; every rank runs its forward (or an idle step) and the step lasts `step_s(per-rank lengths)`.
-A request's TTFT is its (last) forward's end minus its arrival, plus `overhead_s` (router, HTTP, KV
-write). `counts`, when given, sums the tokens the forwards computed ("computed", padding included)
-and their real prompt tokens ("real").
-Service times are pluggable: `analytic_service` (the calibrated cost model, GPUs) or
-`fitted_service` (lines fitted to a `dwdp bench serve` run's measured forwards).
+After each forward a rank pays the time outside it (`Service.outside`, dwdp.predict.costmodel.outside:
+host work such as answering the router and taking the next requests, and the KV hand-off of the
+forward's real tokens) before its next forward; a DEP step pays it once, the slowest rank's hand-off.
+A request's TTFT is that end minus its arrival, plus `overhead_s` (what does not hold a rank: router,
+HTTP, client). `counts`, when given, sums the tokens the forwards computed ("computed", padding
+included) and their real prompt tokens ("real").
+Service times are pluggable: `analytic_service` (the calibrated cost model, GPUs), `line_service`
+(lines measured on a `dwdp serve` run, bench/serve_outside.py) or `fitted_service` (lines fitted to a
+`dwdp bench serve` run's per-request samples, which carry no time outside the forward: their packed
+prefill times hold the KV writes).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -30,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from dwdp.predict.costmodel.outside import NONE
 from dwdp.predict.packing import RequestMix, arrival_plan
 
 PERCENTILES = (50, 90, 99)
@@ -41,13 +48,20 @@ class Service:
     """forward_s([B] lengths) -> seconds of one DWDP forward; step_s(N lists of lengths, empty =
     idle) -> seconds of one DEP step; overhead_s[mode]: added to every request's TTFT. packed: the
     server packs (lengths are the real tokens of each prompt or chunk; no padding is computed);
-    otherwise a forward computes B x Tmax."""
+    otherwise a forward computes B x Tmax. outside[mode]: what a rank pays after each forward before
+    its next (missing: nothing)."""
 
     forward_s: Callable[[list[int]], float]
     step_s: Callable[[list[list[int]]], float]
     overhead_s: dict
     source: str
     packed: bool = False
+    outside: dict = dataclasses.field(default_factory=dict)
+
+    def outside_s(self, mode: str, per_rank: list[list[int]]) -> float:
+        """Seconds a forward (DWDP: one list) or step (DEP: every rank's) holds its ranks after the
+        forward: host and other once, the KV hand-off of the rank with the most real tokens."""
+        return float(self.outside.get(mode, NONE).seconds(max(sum(lengths) for lengths in per_rank)))
 
 
 def computed_tokens(lengths: list[int], packed: bool) -> int:
@@ -140,7 +154,8 @@ def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tok
 
     def start(rank: int, now: float) -> None:
         pieces = workers[rank].take(max_num_tokens, service.packed)
-        end = now + service.forward_s([n for _, n in pieces])
+        lengths = [n for _, n in pieces]
+        end = now + service.forward_s(lengths) + service.outside_s("dwdp", [lengths])
         busy[rank] = True
         heapq.heappush(events, (end, 0, rank, pieces))
 
@@ -180,7 +195,8 @@ def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_toke
             index += 1
         if step_end is None and any(w.has_work for w in workers):
             running = [w.take(max_num_tokens, service.packed) for w in workers]
-            step_end = now + service.step_s([[n for _, n in pieces] for pieces in running])
+            lengths = [[n for _, n in pieces] for pieces in running]
+            step_end = now + service.step_s(lengths) + service.outside_s("dep", lengths)
     return done
 
 
@@ -246,6 +262,20 @@ def fitted_service(results: dict, mix: str, packed: bool = False, variants: tupl
                    f"dep {fits['dep']} (seconds, seconds per computed token)", packed)
 
 
+def line_service(lines: dict, outside: dict, overhead_s: dict, packed: bool, source: str) -> Service:
+    """Forwards on measured lines, lines[mode] = (a s, b s per computed token): a DWDP forward a + b x its
+    tokens, a DEP step a + b x the busiest rank's; outside[mode] (OutsideForward) after each."""
+    def forward_s(lengths):
+        a, b = lines["dwdp"]
+        return a + b * computed_tokens(lengths, packed)
+
+    def step_s(per_rank):
+        a, b = lines["dep"]
+        return a + b * max(computed_tokens(lengths, packed) for lengths in per_rank)
+
+    return Service(forward_s, step_s, overhead_s, source, packed, outside)
+
+
 def analytic_service(sim_config, packed: bool = False) -> Service:
     """The calibrated cost model (dwdp.predict.simulate) of `sim_config`'s model, hardware and group; the
     DWDP copies' contention stretch is the one dwdp.predict.simulate.simulate finds for that setting.
@@ -281,6 +311,8 @@ def analytic_service(sim_config, packed: bool = False) -> Service:
         _, step = simulate_dep(spec, hw, deploy, cal, shape(per_rank), rng)
         return float(step[0])
 
+    outside = cm.outside_forward(spec, hw, cal)
     return Service(forward_s, step_s, {}, f"analytic cost model: {sim_config.model} {sim_config.weight_dtype} on "
-                   f"{sim_config.hardware}, group {sim_config.group_size}, copy stretch {stretch:.2f}"
-                   f"{', packed' if packed else ', padded'}", packed)
+                   f"{sim_config.hardware}, group {sim_config.group_size}, copy stretch {stretch:.2f}, "
+                   f"{1e3 * outside.host_s:.0f} ms host per forward{', packed' if packed else ', padded'}", packed,
+                   {"dwdp": outside, "dep": outside})
