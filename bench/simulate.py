@@ -210,7 +210,7 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
         if "dwdp" not in by_variant or "dep" not in by_variant:
             continue
         service = fitted_service(data["results"], mix_name, packed=by_variant["dwdp"].get("forwards") == "packed")
-        mix = mix_from_description(mix_name)
+        mix = RequestMix.from_description(mix_name)
         rates = meta.get("rates_by_mix", {}).get(mix_name, meta["rates"])
         predicted = simulate_rates(mix, rates, meta["duration_s"], meta["ranks"], meta["max_num_tokens"], service, seed)
         measured = {mode: by_variant[mode]["rows"] for mode in ("dwdp", "dep")}
@@ -228,14 +228,6 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
                                  indent=1) + "\n")
     print(f"written {target}")
 
-
-def mix_from_description(text: str) -> RequestMix:
-    """RequestMix back from its describe(): 'L ~ uniform[256, 512]' or 'L ~ normal(384, 115.2)'."""
-    kind, _, numbers = text.partition("~ ")[2].partition("(" if "normal" in text else "[")
-    a, b = (float(x) for x in numbers.rstrip(")]").split(","))
-    if kind == "normal":
-        return RequestMix(int(a), isl_std=b)
-    return RequestMix(int(b), a / b)
 
 
 if __name__ == "__main__":

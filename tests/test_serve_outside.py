@@ -37,7 +37,8 @@ def test_analysis_recovers_the_term_and_the_term_lowers_the_predicted_max_load()
     meta = {"ranks": 2, "max_num_tokens": 512, "isl": 128, "isl_ratio": 0.8, "rates": [60.0, 100.0, 130.0, 160.0],
             "duration": 4.0, "slo": 1.0, "seed": 0}
     rows = [_row(rate, [104, 116, 128]) for rate in meta["rates"]]
-    data = {"meta": meta, "modes": {mode: {"rows": rows} for mode in bench.MODES}}
+    data = {"meta": meta, "passes": [{"mode": mode, "rows": rows} for mode in bench.pass_order(2)]}
+    assert bench.pass_order(2) == ["dwdp", "dep", "dep", "dwdp"]
     analysis = bench.analyse(data)
     for mode in bench.MODES:
         term = analysis["terms"][mode]
@@ -52,4 +53,21 @@ def test_analysis_recovers_the_term_and_the_term_lowers_the_predicted_max_load()
         assert loads["with term"] < 0.8 * loads["without term"], loads
         with_term, without = (analysis["predicted_rows"][mode][k] for k in ("with term", "without term"))
         assert all(a["ttft_p50_s"] >= b["ttft_p50_s"] for a, b in zip(with_term, without)), (with_term, without)
-    assert analysis["gain"]["measured"] == pytest.approx(0.0), analysis["gain"]
+    assert analysis["gain"]["measured"] == pytest.approx([0.0, 0.0]), analysis["gain"]
+
+
+@pytest.mark.timeout(60)
+def test_stored_runs_are_predicted_on_their_own_lines_and_a_host_time_only_dep_pays_is_dwdps_gain():
+    bench = _bench()
+    rows = [_row(rate, [104, 116, 128]) for rate in (60.0, 100.0, 130.0, 160.0)]
+    for row in rows:
+        for sample in row["samples"]:
+            sample["tokens"] = sample["batch_tokens"]
+    variant = {"rows": rows, "max_load_at_slo": {"tokens_per_s_per_rank": 4000.0}, "forwards": "packed"}
+    run = {"meta": {"rates": [60.0, 100.0, 130.0, 160.0], "duration_s": 4.0, "max_num_tokens": 512, "ranks": 2,
+                    "slo_p99_s": 1.0, "seed": 0},
+           "results": {"L ~ uniform[103, 128]": {"dwdp": variant, "dep": variant}}}
+    entry = bench.stored_run_gains(run, {"dwdp": 0.0, "dep": 0.05})["L ~ uniform[103, 128]"]["dwdp vs dep"]
+    assert entry["measured"]["gain"] == pytest.approx(0.0), entry
+    assert abs(entry["with KV write held"]["gain"]) < 0.05, entry  # the same lines for both modes
+    assert entry["with KV write and host held"]["gain"] > 0.2, entry  # 50 ms per DEP step on ~60 ms forwards
