@@ -12,7 +12,7 @@ pays per forward outside it (host, KV hand-off, other: dwdp.predict.costmodel.ou
 speedup, the gain (speedup - 1) and the speedup of the forwards alone.
 
 Prints the constants and their sources first and the speedup table last; writes
-bench/results/simulate_<model>_<hw>_<dtype>_cpu.json and .png. Seeded.
+bench/results/simulate_<model>_<hw>_<dtype>_cpu.json and .png (or --out). Seeded.
 """
 from __future__ import annotations
 
@@ -98,6 +98,12 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=2)
     p.add_argument("--breakdown", action="store_true", help="print the per-category breakdown of every setting")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="JSON", help="where the table goes (a .png beside it); default "
+                   "bench/results/simulate_<model>_<hw>_<dtype>_cpu.json, the stored sweep")
+    p.add_argument("--context-share", type=float, nargs="+", default=None, metavar="F",
+                   help="also print each setting's gain diluted end to end in disaggregated serving, where the "
+                        "context servers are this share F of the GPUs and the generation side is unchanged: "
+                        "1 / (F / speedup + 1 - F) (a bound: fewer context GPUs for the same load, nothing else)")
     p.add_argument("--ttft-rates", type=float, nargs="+", default=None,
                    help="also predict TTFT p50/p90/p99 of both modes under Poisson arrivals at these requests/s "
                         "(whole group), for the first setting (dwdp.predict.serve_sim)")
@@ -134,7 +140,9 @@ def main() -> None:
             breakdowns.append({"setting": result.row(), "DEP": result.dep,
                                **{name: v.dwdp for name, v in variants.items()}})
 
-    stem = f"simulate_{args.model}_{args.hw}_{args.dtype}_cpu"
+    out = Path(args.out) if args.out else RESULTS / f"simulate_{args.model}_{args.hw}_{args.dtype}_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.stem
     fig, ax = plt.subplots(figsize=(6.5, 4))
     labels = [f"G{r['group_size']} isl{r['isl']} {r['isl_std'] if r['isl_std'] is not None else r['isl_ratio']} "
               f"mnt{r['max_num_tokens']}" + ("" if r["cv"] is None else f" cv{r['cv']}") for r in rows]
@@ -144,9 +152,9 @@ def main() -> None:
     ax.set_xlabel("predicted DWDP / DEP tokens per second per GPU")
     ax.set_title(f"{args.model} {args.dtype} on {args.hw}, plan={args.plan} (analytic prediction)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
+    fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)
-    (RESULTS / f"{stem}.json").write_text(json.dumps({
+    out.write_text(json.dumps({
         "what": "analytic prediction from the calibrated cost model, computed on the CPU (nothing measured)",
         "model": args.model, "model_source": cm.preset_source(args.model), "hardware": args.hw,
         "weight_dtype": args.dtype, "iterations": args.iterations, "seed": args.seed, "plan": args.plan,
@@ -167,6 +175,15 @@ def main() -> None:
               f"{r['forward_speedup']:>7.3f} {r['dep_outside_frac']:>7.3f} {r['dep_sync_frac']:>8.3f} "
               f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_wait_frac']:>9.3f} {r['dwdp_interference_frac']:>7.3f} "
               f"{r['stretch']:>7.3f} {str(r['dwdp_fits']):>5}")
+    if args.context_share:
+        print("\nGain end to end if the context servers are a share F of the GPUs, the generation side unchanged, "
+              "and DWDP saves context GPUs in proportion: 1 / (F / speedup + 1 - F) - 1")
+        print(f"{'G':>3} {'isl':>6} {'mnt':>6} {'context gain':>12} " + " ".join(f"{'F=' + format(f, 'g'):>9}"
+                                                                           for f in args.context_share))
+        for r in rows:
+            diluted = [1 / (f / r["speedup"] + 1 - f) - 1 for f in args.context_share]
+            print(f"{r['group_size']:>3} {r['isl']:>6} {r['max_num_tokens']:>6} {r['gain']:>+12.3f} "
+                  + " ".join(f"{g:>+9.3f}" for g in diluted))
     if args.ttft_rates:
         first = next(iter(itertools.product(args.group_size, args.isl, mixes, args.mnts)))
         g, isl, (kind, spread), mnt = first
@@ -179,7 +196,7 @@ def main() -> None:
         print(f"\nPredicted TTFT (analytic, not measured): {service.source}; {mix.describe()}, max-num-tokens {mnt}, "
               f"Poisson arrivals for {args.ttft_duration:g} s per rate, router and batching as `dwdp serve`")
         print(ttft_table(predicted))
-        path = RESULTS / f"{stem}_ttft.json"
+        path = out.with_name(f"{stem}_ttft.json")
         path.write_text(json.dumps({"what": "analytic prediction (dwdp.predict.serve_sim over the cost model), nothing "
                                     "measured", "service": service.source, "mix": mix.describe(), "group_size": g,
                                     "max_num_tokens": mnt, "rates": args.ttft_rates, "predicted": predicted},
