@@ -91,18 +91,21 @@ def test_a_long_prompt_takes_one_forward_per_chunk(run):
 
 @pytest.mark.timeout(10)
 def test_time_outside_the_forward_holds_the_rank():
-    """One rank, two 40-token prompts at once (budget 64: a forward each), 1 s forwards and 0.5 s of
-    host work and 10 ms per token of KV hand-off after each: the second forward starts at 1.9 s, not
-    1 s. A DEP step pays the host time once and the hand-off of its busiest rank: the first step runs
-    10 tokens (1.6 s), the second 20 on one rank and 30 on the other (1 + 0.5 + 0.3 s)."""
+    """One rank, two 40-token prompts at once (budget 64: a forward each), 1 s forwards, then 10 ms
+    per token of KV hand-off (a prompt is answered after it) and 0.5 s of host work: answers at 1.4
+    and 3.3 s, the second forward starting at 1.9 s, not 1 s. A DEP step pays the host time once and
+    the hand-off of its busiest rank: the first step runs 10 tokens (answered at 1.1, over at 1.6), the
+    second 20 on one rank and 30 on the other (answered 0.2 and 0.3 s after its forward, over 0.8 s
+    after it)."""
     host = OutsideForward(host_s=0.5, kv_s_per_token=0.01)
     service = dataclasses.replace(packed_flat(), outside={"dwdp": host, "dep": host})
     plan = [(0.0, 40), (0.0, 40)]
     ends = sorted(end for _, end in simulate_dwdp_serving(plan, 1, 64, service))
-    assert ends == pytest.approx([1.9, 3.8]), ends
+    assert ends == pytest.approx([1.4, 3.3]), ends
     assert sorted(end for _, end in simulate_dwdp_serving(plan, 1, 64, packed_flat())) == [1.0, 2.0]
-    ends = sorted(end for _, end in simulate_dep_serving([(0.0, 10), (0.0, 30), (0.0, 20)], 2, 64, service))
-    assert ends == pytest.approx([1.6, 3.4, 3.4]), ends
+    ends = sorted(end for _, end in simulate_dep_serving([(0.0, 10), (0.0, 30), (0.0, 20), (2.0, 10)], 2, 64,
+                                                         service))
+    assert ends == pytest.approx([1.1, 2.8, 2.9, 4.5]), ends  # the last arrives mid-step: its step starts at 3.4
 
 
 @pytest.mark.timeout(10)

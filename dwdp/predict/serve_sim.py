@@ -14,10 +14,10 @@ leaves them at once); a rank takes its queue in arrival order, without waiting, 
 - DEP: the ranks step together: a step starts when the previous one ends and any rank holds a
   prompt; every rank runs its forward (or an idle step) and the step lasts `step_s(per-rank lengths)`.
 After each forward a rank pays the time outside it (`Service.outside`, dwdp.predict.costmodel.outside:
-host work such as answering the router and taking the next requests, and the KV hand-off of the
-forward's real tokens) before its next forward; a DEP step pays it once, the slowest rank's hand-off.
-A request's TTFT is that end minus its arrival, plus `overhead_s` (what does not hold a rank: router,
-HTTP, client). `counts`, when given, sums the tokens the forwards computed ("computed", padding
+the KV hand-off of the forward's real tokens, then host work such as taking the next requests) before
+its next forward; a DEP step pays it once, the slowest rank's hand-off. A request is answered once its
+forward's KV is handed off; its TTFT is that time minus its arrival, plus `overhead_s` (what holds no
+rank: router, HTTP, client). `counts`, when given, sums the tokens the forwards computed ("computed", padding
 included) and their real prompt tokens ("real").
 Service times are pluggable: `analytic_service` (the calibrated cost model, GPUs), `line_service`
 (lines measured on a `dwdp serve` run, bench/serve_outside.py) or `fitted_service` (lines fitted to a
@@ -62,6 +62,10 @@ class Service:
         """Seconds a forward (DWDP: one list) or step (DEP: every rank's) holds its ranks after the
         forward: host and other once, the KV hand-off of the rank with the most real tokens."""
         return float(self.outside.get(mode, NONE).seconds(max(sum(lengths) for lengths in per_rank)))
+
+    def handoff_s(self, mode: str, lengths: list[int]) -> float:
+        """Seconds from a forward's end to its answers: the KV hand-off of its real tokens."""
+        return sum(lengths) * self.outside.get(mode, NONE).kv_s_per_token
 
 
 def computed_tokens(lengths: list[int], packed: bool) -> int:
@@ -116,14 +120,14 @@ class _Rank:
             return take_chunks(self.active, self.queue, max_num_tokens)
         return [(prompt, prompt[2]) for prompt in take_lengths(self.queue, max_num_tokens)]
 
-    def finish(self, pieces, now: float, done: list, counts: dict | None, packed: bool) -> None:
-        """The forward of `pieces` ended at `now`: chunks leave the outstanding tokens, finished
-        prompts go to `done` as (arrival, now)."""
+    def finish(self, pieces, answered: float, done: list, counts: dict | None, packed: bool) -> None:
+        """The forward of `pieces` is answered at `answered`: chunks leave the outstanding tokens,
+        finished prompts go to `done` as (arrival, answered)."""
         for prompt, n in pieces:
             prompt[2] -= n
             self.outstanding -= n
             if prompt[2] == 0:
-                done.append((prompt[0], now))
+                done.append((prompt[0], answered))
         self.active = [p for p in self.active if p[2] > 0]
         if counts is not None:
             counts["computed"] = counts.get("computed", 0) + computed_tokens([n for _, n in pieces], packed)
@@ -144,10 +148,10 @@ def _assign(ranks: list[_Rank], index: int, arrival: float, n: int) -> int:
 
 def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service,
                           counts: dict | None = None):
-    """[(arrival, forward end)] per request of `plan` ((arrival s, length), in time order)."""
+    """[(arrival, answer)] per request of `plan` ((arrival s, length), in time order)."""
     workers = [_Rank() for _ in range(ranks)]
     done: list[tuple[float, float]] = []
-    events: list = []  # (time, kind 0 = forward end / 1 = arrival, rank or index, pieces)
+    events: list = []  # (time, kind 0 = rank free / 1 = arrival, rank or index, (pieces, answered))
     for i, (t, n) in enumerate(plan):
         heapq.heappush(events, (t, 1, i, None))
     busy = [False] * ranks
@@ -155,19 +159,21 @@ def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tok
     def start(rank: int, now: float) -> None:
         pieces = workers[rank].take(max_num_tokens, service.packed)
         lengths = [n for _, n in pieces]
-        end = now + service.forward_s(lengths) + service.outside_s("dwdp", [lengths])
+        end = now + service.forward_s(lengths)
         busy[rank] = True
-        heapq.heappush(events, (end, 0, rank, pieces))
+        heapq.heappush(events, (end + service.outside_s("dwdp", [lengths]), 0, rank,
+                                (pieces, end + service.handoff_s("dwdp", lengths))))
 
     while events:
-        now, kind, who, pieces = heapq.heappop(events)
+        now, kind, who, forward = heapq.heappop(events)
         if kind == 1:
             arrival, n = plan[who]
             rank = _assign(workers, who, arrival, n)
             if not busy[rank]:
                 start(rank, now)
         else:
-            workers[who].finish(pieces, now, done, counts, service.packed)
+            pieces, answered = forward
+            workers[who].finish(pieces, answered, done, counts, service.packed)
             busy[who] = False
             if workers[who].has_work:
                 start(who, now)
@@ -176,17 +182,17 @@ def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tok
 
 def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service,
                          counts: dict | None = None):
-    """[(arrival, step end)] per request of `plan`, the ranks stepping together."""
+    """[(arrival, answer)] per request of `plan`, the ranks stepping together."""
     workers = [_Rank() for _ in range(ranks)]
     done: list[tuple[float, float]] = []
     index, now, step_end = 0, 0.0, None
-    running: list = []
+    running: list = []  # per rank: (pieces, when they are answered)
     while index < len(plan) or step_end is not None:
         next_arrival = plan[index][0] if index < len(plan) else math.inf
         if step_end is not None and step_end <= next_arrival:
             now = step_end
-            for worker, pieces in zip(workers, running):
-                worker.finish(pieces, now, done, counts, service.packed)
+            for worker, (pieces, answered) in zip(workers, running):
+                worker.finish(pieces, answered, done, counts, service.packed)
             step_end, running = None, []
         else:
             now = next_arrival
@@ -194,9 +200,11 @@ def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_toke
             _assign(workers, index, arrival, n)
             index += 1
         if step_end is None and any(w.has_work for w in workers):
-            running = [w.take(max_num_tokens, service.packed) for w in workers]
-            lengths = [[n for _, n in pieces] for pieces in running]
-            step_end = now + service.step_s(lengths) + service.outside_s("dep", lengths)
+            taken = [w.take(max_num_tokens, service.packed) for w in workers]
+            lengths = [[n for _, n in pieces] for pieces in taken]
+            forward_end = now + service.step_s(lengths)
+            running = [(pieces, forward_end + service.handoff_s("dep", n)) for pieces, n in zip(taken, lengths)]
+            step_end = forward_end + service.outside_s("dep", lengths)
     return done
 
 
