@@ -7,10 +7,12 @@ same forwards (dwdp.predict.simulate): DEP waits at every MoE layer for the slow
 rank alone with its copies' interference. --cvs overrides the per-rank spread packing gives.
 --breakdown prints, per setting, the per-forward breakdown in the DWDP paper's categories for DEP
 and three DWDP variants: the paper's baseline (merge copy, one copy per expert), without the merge
-copy, and without it on dwdp's sliced copy plan.
+copy, and without it on dwdp's sliced copy plan; beside the forward's categories, the time every mode
+pays per forward outside it (host, KV hand-off, other: dwdp.predict.costmodel.outside), then the
+speedup, the gain (speedup - 1) and the speedup of the forwards alone.
 
 Prints the constants and their sources first and the speedup table last; writes
-bench/results/simulate_<model>_<hw>_<dtype>_cpu.json and .png. Seeded.
+bench/results/simulate_<model>_<hw>_<dtype>_cpu.json and .png (or --out). Seeded.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from dwdp.predict import costmodel as cm  # noqa: E402
 from dwdp.predict.packing import RequestMix  # noqa: E402
 from dwdp.predict.serve_sim import analytic_service, fitted_service, simulate_rates  # noqa: E402
+from dwdp.predict.costmodel import OUTSIDE_PARTS  # noqa: E402
 from dwdp.predict.simulate import ROWS, SimConfig, simulate  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -59,13 +62,17 @@ def print_breakdown(cfg: SimConfig, dep: dict, variants: dict) -> None:
     mix = f"std {cfg.isl_std:g}" if cfg.isl_std is not None else f"ratio {cfg.isl_ratio:g}"
     cv = "from packing" if cfg.cv is None else f"{cfg.cv:g}"
     print(f"\nBreakdown per forward, ms (analytic): G={cfg.group_size} ISL={cfg.isl} {mix} MNT={cfg.max_num_tokens} "
-          f"CV={cv}; P2P copy overlaps and is not in Iteration")
+          f"CV={cv}; P2P copy overlaps and is not in Iteration (the forward); Host, KV hand-off and Other are paid "
+          f"outside the forward by every mode")
     names = ["DEP"] + list(variants)
-    print(f"{'category':>16} " + " ".join(f"{n:>16}" for n in names))
+    print(f"{'category':>19} " + " ".join(f"{n:>16}" for n in names))
     for row in ROWS:
+        if row == OUTSIDE_PARTS[0]:
+            print(f"{'-- outside --':>19}")
         cells = [dep[row]] + [v.dwdp[row] for v in variants.values()]
-        print(f"{row:>16} " + " ".join(f"{1e3 * c:>16.2f}" for c in cells))
-    print(f"{'speedup':>16} {'':>16} " + " ".join(f"{v.speedup:>16.3f}" for v in variants.values()))
+        print(f"{row:>19} " + " ".join(f"{1e3 * c:>16.2f}" for c in cells))
+    for name, value in (("speedup", "speedup"), ("gain", "gain"), ("forwards' speedup", "forward_speedup")):
+        print(f"{name:>19} {'':>16} " + " ".join(f"{getattr(v, value):>16.3f}" for v in variants.values()))
 
 
 def main() -> None:
@@ -91,6 +98,12 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=2)
     p.add_argument("--breakdown", action="store_true", help="print the per-category breakdown of every setting")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", metavar="JSON", help="where the table goes (a .png beside it); default "
+                   "bench/results/simulate_<model>_<hw>_<dtype>_cpu.json, the stored sweep")
+    p.add_argument("--context-share", type=float, nargs="+", default=None, metavar="F",
+                   help="also print each setting's gain diluted end to end in disaggregated serving, where the "
+                        "context servers are this share F of the GPUs and the generation side is unchanged: "
+                        "1 / (F / speedup + 1 - F) (a bound: fewer context GPUs for the same load, nothing else)")
     p.add_argument("--ttft-rates", type=float, nargs="+", default=None,
                    help="also predict TTFT p50/p90/p99 of both modes under Poisson arrivals at these requests/s "
                         "(whole group), for the first setting (dwdp.predict.serve_sim)")
@@ -127,7 +140,9 @@ def main() -> None:
             breakdowns.append({"setting": result.row(), "DEP": result.dep,
                                **{name: v.dwdp for name, v in variants.items()}})
 
-    stem = f"simulate_{args.model}_{args.hw}_{args.dtype}_cpu"
+    out = Path(args.out) if args.out else RESULTS / f"simulate_{args.model}_{args.hw}_{args.dtype}_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stem = out.stem
     fig, ax = plt.subplots(figsize=(6.5, 4))
     labels = [f"G{r['group_size']} isl{r['isl']} {r['isl_std'] if r['isl_std'] is not None else r['isl_ratio']} "
               f"mnt{r['max_num_tokens']}" + ("" if r["cv"] is None else f" cv{r['cv']}") for r in rows]
@@ -137,9 +152,9 @@ def main() -> None:
     ax.set_xlabel("predicted DWDP / DEP tokens per second per GPU")
     ax.set_title(f"{args.model} {args.dtype} on {args.hw}, plan={args.plan} (analytic prediction)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(RESULTS / f"{stem}.png", dpi=120)
+    fig.savefig(out.with_suffix(".png"), dpi=120)
     plt.close(fig)
-    (RESULTS / f"{stem}.json").write_text(json.dumps({
+    out.write_text(json.dumps({
         "what": "analytic prediction from the calibrated cost model, computed on the CPU (nothing measured)",
         "model": args.model, "model_source": cm.preset_source(args.model), "hardware": args.hw,
         "weight_dtype": args.dtype, "iterations": args.iterations, "seed": args.seed, "plan": args.plan,
@@ -148,15 +163,27 @@ def main() -> None:
 
     print(f"\nPredicted DWDP/DEP tokens/s per GPU (analytic, not measured): {args.model} {args.dtype} on {args.hw}, "
           f"plan={args.plan}{', merge copy' if args.merge_copy else ''}, {args.iterations} forwards per rank")
+    print("speedup and gain (speedup - 1) include the time outside the forward; fwd_spd: the forwards alone")
     print(f"{'G':>3} {'isl':>6} {'mix':>11} {'mnt':>6} {'cv':>5} {'tok/fwd':>8} {'tok_cv':>6} {'speedup':>8} "
+          f"{'gain':>7} {'fwd_spd':>7} {'outside':>7} "
           f"{'dep_sync':>8} {'dep_a2a':>8} {'dwdp_wait':>9} {'interf':>7} {'stretch':>7} {'fits':>5}")
     for r in rows:
         mix = f"std {r['isl_std']:g}" if r["isl_std"] is not None else f"ratio {r['isl_ratio']:g}"
         cv = "-" if r["cv"] is None else f"{r['cv']:.2f}"
         print(f"{r['group_size']:>3} {r['isl']:>6} {mix:>11} {r['max_num_tokens']:>6} {cv:>5} "
-              f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['dep_sync_frac']:>8.3f} "
+              f"{r['tokens_per_forward']:>8.0f} {r['token_cv']:>6.3f} {r['speedup']:>8.3f} {r['gain']:>+7.3f} "
+              f"{r['forward_speedup']:>7.3f} {r['dep_outside_frac']:>7.3f} {r['dep_sync_frac']:>8.3f} "
               f"{r['dep_a2a_frac']:>8.3f} {r['dwdp_wait_frac']:>9.3f} {r['dwdp_interference_frac']:>7.3f} "
               f"{r['stretch']:>7.3f} {str(r['dwdp_fits']):>5}")
+    if args.context_share:
+        print("\nGain end to end if the context servers are a share F of the GPUs, the generation side unchanged, "
+              "and DWDP saves context GPUs in proportion: 1 / (F / speedup + 1 - F) - 1")
+        print(f"{'G':>3} {'isl':>6} {'mnt':>6} {'context gain':>12} " + " ".join(f"{'F=' + format(f, 'g'):>9}"
+                                                                           for f in args.context_share))
+        for r in rows:
+            diluted = [1 / (f / r["speedup"] + 1 - f) - 1 for f in args.context_share]
+            print(f"{r['group_size']:>3} {r['isl']:>6} {r['max_num_tokens']:>6} {r['gain']:>+12.3f} "
+                  + " ".join(f"{g:>+9.3f}" for g in diluted))
     if args.ttft_rates:
         first = next(iter(itertools.product(args.group_size, args.isl, mixes, args.mnts)))
         g, isl, (kind, spread), mnt = first
@@ -169,7 +196,7 @@ def main() -> None:
         print(f"\nPredicted TTFT (analytic, not measured): {service.source}; {mix.describe()}, max-num-tokens {mnt}, "
               f"Poisson arrivals for {args.ttft_duration:g} s per rate, router and batching as `dwdp serve`")
         print(ttft_table(predicted))
-        path = RESULTS / f"{stem}_ttft.json"
+        path = out.with_name(f"{stem}_ttft.json")
         path.write_text(json.dumps({"what": "analytic prediction (dwdp.predict.serve_sim over the cost model), nothing "
                                     "measured", "service": service.source, "mix": mix.describe(), "group_size": g,
                                     "max_num_tokens": mnt, "rates": args.ttft_rates, "predicted": predicted},
@@ -200,7 +227,7 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
         if "dwdp" not in by_variant or "dep" not in by_variant:
             continue
         service = fitted_service(data["results"], mix_name, packed=by_variant["dwdp"].get("forwards") == "packed")
-        mix = mix_from_description(mix_name)
+        mix = RequestMix.from_description(mix_name)
         rates = meta.get("rates_by_mix", {}).get(mix_name, meta["rates"])
         predicted = simulate_rates(mix, rates, meta["duration_s"], meta["ranks"], meta["max_num_tokens"], service, seed)
         measured = {mode: by_variant[mode]["rows"] for mode in ("dwdp", "dep")}
@@ -218,14 +245,6 @@ def ttft_from_measurement(path: Path, seed: int) -> None:
                                  indent=1) + "\n")
     print(f"written {target}")
 
-
-def mix_from_description(text: str) -> RequestMix:
-    """RequestMix back from its describe(): 'L ~ uniform[256, 512]' or 'L ~ normal(384, 115.2)'."""
-    kind, _, numbers = text.partition("~ ")[2].partition("(" if "normal" in text else "[")
-    a, b = (float(x) for x in numbers.rstrip(")]").split(","))
-    if kind == "normal":
-        return RequestMix(int(a), isl_std=b)
-    return RequestMix(int(b), a / b)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,20 @@ def test_calibration_file_is_the_fit_of_table1():
         assert ("fitted" in source or "chosen" in source) and len(source) > 40, f"{name}: source {source!r}"
 
 
+def test_outside_host_time_is_the_fit_of_the_one_end_to_end_point():
+    """bench/calibrate.py solves outside_host_s on Table 3b's point alone; refitting from zero lands on
+    the stored value, and its source says where it comes from."""
+    spec = importlib.util.spec_from_file_location("calibrate", ROOT / "bench" / "calibrate.py")
+    calibrate = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(calibrate)
+    stored = cm.load_calibration()
+    refit = calibrate.fit_outside_host(stored.replace(outside_host_s=0.0))
+    assert math.isclose(refit.outside_host_s, stored.outside_host_s, rel_tol=1e-3), (refit.outside_host_s,
+                                                                                    stored.outside_host_s)
+    source = cm.calibration_sources()["outside_host_s"]
+    assert "fitted" in source and "Table 3b" in source and str(calibrate.E2E_SPEEDUP) in source, source
+
+
 def test_predict_uses_the_calibrated_constants():
     # bench/roofline.py and crossover_isl go through cm.predict / cm.prefetch_hidden with cal=None.
     spec, hw = cm.load_model("DeepSeek-R1"), cm.load_hardware("GB200-NVL72")

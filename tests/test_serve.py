@@ -311,6 +311,10 @@ def test_overload_answers_429_with_retry_after(server, reference):
             assert_first_token(r.json()["first_token_id"], reference(ids)[0])
     health = httpx.get(f"{server.url}/health").json()
     assert health["in_flight"] == 0 and all(w["outstanding_tokens"] == 0 for w in health["workers"]), health
+    # Every forward after a worker's first is measured from the previous one's end (waits for work left out).
+    for w in health["workers"]:
+        assert 1 <= w["forwards"] - w["outside_forwards"] <= 1 + w["forwards"] // 2, w
+        assert w["forward_s"] > 0 and w["kv_write_s"] > 0 and w["outside_s"] > 0, w
 
 
 @pytest.mark.timeout(30)

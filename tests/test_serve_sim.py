@@ -1,12 +1,14 @@
 """The serving queueing simulation on plans small enough to work out by hand."""
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import pytest
 
-from dwdp.predict.serve_sim import (Service, fitted_service, simulate_dep_serving, simulate_dwdp_serving, summarise_ttft,
-                            take_lengths)
+from dwdp.predict.costmodel import OutsideForward
+from dwdp.predict.serve_sim import (Service, fitted_service, line_service, simulate_dep_serving, simulate_dwdp_serving,
+                                    summarise_ttft, take_lengths)
 
 
 def flat(forward_s: float = 1.0, per_token_s: float = 0.0) -> Service:
@@ -85,3 +87,31 @@ def test_packed_forwards_fill_the_budget_and_count_no_padding():
 def test_a_long_prompt_takes_one_forward_per_chunk(run):
     """100 tokens, budget 40: three forwards of 1 s (40, 40, 20); its TTFT is the third's end."""
     assert run([(0.0, 100)], 2, 40, packed_flat()) == [(0.0, 3.0)]
+
+
+@pytest.mark.timeout(10)
+def test_time_outside_the_forward_holds_the_rank():
+    """One rank, two 40-token prompts at once (budget 64: a forward each), 1 s forwards, then 10 ms
+    per token of KV hand-off (a prompt is answered after it) and 0.5 s of host work: answers at 1.4
+    and 3.3 s, the second forward starting at 1.9 s, not 1 s. A DEP step pays the host time once and
+    the hand-off of its busiest rank: the first step runs 10 tokens (answered at 1.1, over at 1.6), the
+    second 20 on one rank and 30 on the other (answered 0.2 and 0.3 s after its forward, over 0.8 s
+    after it)."""
+    host = OutsideForward(host_s=0.5, kv_s_per_token=0.01)
+    service = dataclasses.replace(packed_flat(), outside={"dwdp": host, "dep": host})
+    plan = [(0.0, 40), (0.0, 40)]
+    ends = sorted(end for _, end in simulate_dwdp_serving(plan, 1, 64, service))
+    assert ends == pytest.approx([1.4, 3.3]), ends
+    assert sorted(end for _, end in simulate_dwdp_serving(plan, 1, 64, packed_flat())) == [1.0, 2.0]
+    ends = sorted(end for _, end in simulate_dep_serving([(0.0, 10), (0.0, 30), (0.0, 20), (2.0, 10)], 2, 64,
+                                                         service))
+    assert ends == pytest.approx([1.1, 2.8, 2.9, 4.5]), ends  # the last arrives mid-step: its step starts at 3.4
+
+
+@pytest.mark.timeout(10)
+def test_line_service_runs_the_measured_lines():
+    host = OutsideForward(host_s=0.02)
+    service = line_service({"dwdp": (0.01, 1e-3), "dep": (0.02, 5e-4)}, {"dwdp": host}, {"dwdp": 0.1}, True, "test")
+    assert service.forward_s([100, 50]) == pytest.approx(0.01 + 1e-3 * 150)
+    assert service.step_s([[100], [], [300, 10]]) == pytest.approx(0.02 + 5e-4 * 310)
+    assert service.outside_s("dwdp", [[100]]) == pytest.approx(0.02) and service.outside_s("dep", [[100]]) == 0.0

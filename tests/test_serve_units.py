@@ -458,3 +458,32 @@ def test_a_worker_killed_mid_message_cuts_only_its_own_results_pipe(tmp_path):
     pool._stop.set()
     readers[1].join(timeout=5)
     assert not readers[1].is_alive()
+
+
+def test_forward_gaps_leave_waits_for_work_out():
+    from dwdp.serve.worker import ForwardGaps
+
+    gaps = ForwardGaps()
+    assert gaps.start(10.0) is None  # the first forward has no previous one
+    gaps.end(11.0)
+    gaps.waited(0.5)                 # an empty queue: waiting for work, not time outside a forward
+    assert gaps.start(12.0) == pytest.approx(0.5)
+    gaps.end(13.0)
+    gaps.forget()                    # a DEP idle step ran in between
+    assert gaps.start(14.0) is None
+    gaps.end(15.0)
+    assert gaps.start(15.25) == pytest.approx(0.25)
+
+
+@pytest.mark.timeout(10)
+def test_router_sums_time_in_and_outside_forwards_per_rank():
+    from dwdp.serve.protocol import BatchDone, PrefillResult
+
+    pool = _pool(ranks=2)
+    pool._handle(BatchDone(1, 1, 16, 0.25, 0.0, 16, (), None))
+    pool._handle(BatchDone(1, 2, 32, 0.5, 0.0, 32, (), 0.125))
+    pool._handle(PrefillResult("gone", 1, 7, 16, 0.0, 0.25, 0.0625, 1, 16, 0.0, {}))
+    worker = pool.snapshot()["workers"][1]
+    assert (worker["forwards"], worker["forward_s"], worker["outside_s"], worker["outside_forwards"],
+            worker["kv_write_s"]) == (2, 0.75, 0.125, 1, 0.0625), worker
+    assert pool.snapshot()["workers"][0]["outside_forwards"] == 0

@@ -119,14 +119,16 @@ def test_copy_stretch_orders_the_plans():
 def test_preset_simulation_without_imbalance_equals_the_roofline():
     """Two separate models of one deployment: with every rank at max-num-tokens of equal prompts, no
     expert skew and no copy contention, the simulator's speedup is the roofline's DEP / DWDP forward
-    time (costmodel.predict); imbalance then only adds DEP barrier waits, so the speedup must rise."""
+    time (costmodel.predict), and with the time outside the forward its tokens/s ratio; imbalance then
+    only adds DEP barrier waits, so the speedup must rise."""
     cal = cm.load_calibration().replace(expert_load_cv=0.0)
     balanced = simulate(SimConfig(iterations=20, isl_ratio=1.0, cv=0.0, plan="none"), cal)
     cfg = balanced.config
     roofline = cm.predict(cm.load_model(cfg.model), cm.load_hardware(cfg.hardware),
                           cm.Workload(cfg.isl, cfg.max_num_tokens),
                           cm.Deployment(cfg.group_size, cfg.num_local_experts, cfg.weight_dtype), cal=cal)
-    assert math.isclose(balanced.speedup, roofline.speedup, rel_tol=1e-9), (balanced.row(), roofline.speedup)
+    assert math.isclose(balanced.forward_speedup, roofline.speedup, rel_tol=1e-9), (balanced.row(), roofline.speedup)
+    assert math.isclose(balanced.speedup, roofline.tps_speedup, rel_tol=1e-9), (balanced.row(), roofline.tps_speedup)
     assert balanced.row()["dep_sync_frac"] == 0.0 and balanced.token_cv == 0.0, balanced.row()
     imbalanced = simulate(dataclasses.replace(cfg, cv=0.2), cal)
     assert imbalanced.row()["dep_sync_frac"] > 0 and imbalanced.speedup > balanced.speedup, (imbalanced.row(),

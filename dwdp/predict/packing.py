@@ -42,6 +42,16 @@ class RequestMix:
             return f"L ~ normal({self.isl}, {self.isl_std:g})"
         return f"L ~ uniform[{math.ceil(self.isl_ratio * self.isl)}, {self.isl}]"
 
+    @classmethod
+    def from_description(cls, text: str) -> "RequestMix":
+        """The mix back from its describe() (a prefix such as 'long: ' allowed): 'L ~ uniform[256, 512]'
+        or 'L ~ normal(384, 115.2)'."""
+        kind, _, numbers = text.partition("~ ")[2].partition("(" if "normal" in text else "[")
+        a, b = (float(x) for x in numbers.rstrip(")]").split(","))
+        if kind == "normal":
+            return cls(int(a), isl_std=b)
+        return cls(int(b), a / b)
+
 
 def draw_lengths(mix: RequestMix, count: int, max_num_tokens: int, rng: np.random.Generator) -> np.ndarray:
     """`count` prompt lengths. [count] int"""

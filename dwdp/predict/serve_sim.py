@@ -13,14 +13,20 @@ leaves them at once); a rank takes its queue in arrival order, without waiting, 
 - DWDP: every rank runs its next forward as soon as it is free, alone: `forward_s(lengths)`.
 - DEP: the ranks step together: a step starts when the previous one ends and any rank holds a
   prompt; every rank runs its forward (or an idle step) and the step lasts `step_s(per-rank lengths)`.
-A request's TTFT is its (last) forward's end minus its arrival, plus `overhead_s` (router, HTTP, KV
-write). `counts`, when given, sums the tokens the forwards computed ("computed", padding included)
-and their real prompt tokens ("real").
-Service times are pluggable: `analytic_service` (the calibrated cost model, GPUs) or
-`fitted_service` (lines fitted to a `dwdp bench serve` run's measured forwards).
+After each forward a rank pays the time outside it (`Service.outside`, dwdp.predict.costmodel.outside:
+the KV hand-off of the forward's real tokens, then host work such as taking the next requests) before
+its next forward; a DEP step pays it once, the slowest rank's hand-off. A request is answered once its
+forward's KV is handed off; its TTFT is that time minus its arrival, plus `overhead_s` (what holds no
+rank: router, HTTP, client). `counts`, when given, sums the tokens the forwards computed ("computed", padding
+included) and their real prompt tokens ("real").
+Service times are pluggable: `analytic_service` (the calibrated cost model, GPUs), `line_service`
+(lines measured on a `dwdp serve` run, bench/serve_outside.py) or `fitted_service` (lines fitted to a
+`dwdp bench serve` run's per-request samples, which carry no time outside the forward: their packed
+prefill times hold the KV writes).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import deque
@@ -30,6 +36,7 @@ from typing import Callable
 
 import numpy as np
 
+from dwdp.predict.costmodel.outside import NONE
 from dwdp.predict.packing import RequestMix, arrival_plan
 
 PERCENTILES = (50, 90, 99)
@@ -41,13 +48,24 @@ class Service:
     """forward_s([B] lengths) -> seconds of one DWDP forward; step_s(N lists of lengths, empty =
     idle) -> seconds of one DEP step; overhead_s[mode]: added to every request's TTFT. packed: the
     server packs (lengths are the real tokens of each prompt or chunk; no padding is computed);
-    otherwise a forward computes B x Tmax."""
+    otherwise a forward computes B x Tmax. outside[mode]: what a rank pays after each forward before
+    its next (missing: nothing)."""
 
     forward_s: Callable[[list[int]], float]
     step_s: Callable[[list[list[int]]], float]
     overhead_s: dict
     source: str
     packed: bool = False
+    outside: dict = dataclasses.field(default_factory=dict)
+
+    def outside_s(self, mode: str, per_rank: list[list[int]]) -> float:
+        """Seconds a forward (DWDP: one list) or step (DEP: every rank's) holds its ranks after the
+        forward: host and other once, the KV hand-off of the rank with the most real tokens."""
+        return float(self.outside.get(mode, NONE).seconds(max(sum(lengths) for lengths in per_rank)))
+
+    def handoff_s(self, mode: str, lengths: list[int]) -> float:
+        """Seconds from a forward's end to its answers: the KV hand-off of its real tokens."""
+        return sum(lengths) * self.outside.get(mode, NONE).kv_s_per_token
 
 
 def computed_tokens(lengths: list[int], packed: bool) -> int:
@@ -102,14 +120,14 @@ class _Rank:
             return take_chunks(self.active, self.queue, max_num_tokens)
         return [(prompt, prompt[2]) for prompt in take_lengths(self.queue, max_num_tokens)]
 
-    def finish(self, pieces, now: float, done: list, counts: dict | None, packed: bool) -> None:
-        """The forward of `pieces` ended at `now`: chunks leave the outstanding tokens, finished
-        prompts go to `done` as (arrival, now)."""
+    def finish(self, pieces, answered: float, done: list, counts: dict | None, packed: bool) -> None:
+        """The forward of `pieces` is answered at `answered`: chunks leave the outstanding tokens,
+        finished prompts go to `done` as (arrival, answered)."""
         for prompt, n in pieces:
             prompt[2] -= n
             self.outstanding -= n
             if prompt[2] == 0:
-                done.append((prompt[0], now))
+                done.append((prompt[0], answered))
         self.active = [p for p in self.active if p[2] > 0]
         if counts is not None:
             counts["computed"] = counts.get("computed", 0) + computed_tokens([n for _, n in pieces], packed)
@@ -130,29 +148,32 @@ def _assign(ranks: list[_Rank], index: int, arrival: float, n: int) -> int:
 
 def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service,
                           counts: dict | None = None):
-    """[(arrival, forward end)] per request of `plan` ((arrival s, length), in time order)."""
+    """[(arrival, answer)] per request of `plan` ((arrival s, length), in time order)."""
     workers = [_Rank() for _ in range(ranks)]
     done: list[tuple[float, float]] = []
-    events: list = []  # (time, kind 0 = forward end / 1 = arrival, rank or index, pieces)
+    events: list = []  # (time, kind 0 = rank free / 1 = arrival, rank or index, (pieces, answered))
     for i, (t, n) in enumerate(plan):
         heapq.heappush(events, (t, 1, i, None))
     busy = [False] * ranks
 
     def start(rank: int, now: float) -> None:
         pieces = workers[rank].take(max_num_tokens, service.packed)
-        end = now + service.forward_s([n for _, n in pieces])
+        lengths = [n for _, n in pieces]
+        end = now + service.forward_s(lengths)
         busy[rank] = True
-        heapq.heappush(events, (end, 0, rank, pieces))
+        heapq.heappush(events, (end + service.outside_s("dwdp", [lengths]), 0, rank,
+                                (pieces, end + service.handoff_s("dwdp", lengths))))
 
     while events:
-        now, kind, who, pieces = heapq.heappop(events)
+        now, kind, who, forward = heapq.heappop(events)
         if kind == 1:
             arrival, n = plan[who]
             rank = _assign(workers, who, arrival, n)
             if not busy[rank]:
                 start(rank, now)
         else:
-            workers[who].finish(pieces, now, done, counts, service.packed)
+            pieces, answered = forward
+            workers[who].finish(pieces, answered, done, counts, service.packed)
             busy[who] = False
             if workers[who].has_work:
                 start(who, now)
@@ -161,17 +182,17 @@ def simulate_dwdp_serving(plan: list[tuple[float, int]], ranks: int, max_num_tok
 
 def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_tokens: int, service: Service,
                          counts: dict | None = None):
-    """[(arrival, step end)] per request of `plan`, the ranks stepping together."""
+    """[(arrival, answer)] per request of `plan`, the ranks stepping together."""
     workers = [_Rank() for _ in range(ranks)]
     done: list[tuple[float, float]] = []
     index, now, step_end = 0, 0.0, None
-    running: list = []
+    running: list = []  # per rank: (pieces, when they are answered)
     while index < len(plan) or step_end is not None:
         next_arrival = plan[index][0] if index < len(plan) else math.inf
         if step_end is not None and step_end <= next_arrival:
             now = step_end
-            for worker, pieces in zip(workers, running):
-                worker.finish(pieces, now, done, counts, service.packed)
+            for worker, (pieces, answered) in zip(workers, running):
+                worker.finish(pieces, answered, done, counts, service.packed)
             step_end, running = None, []
         else:
             now = next_arrival
@@ -179,8 +200,11 @@ def simulate_dep_serving(plan: list[tuple[float, int]], ranks: int, max_num_toke
             _assign(workers, index, arrival, n)
             index += 1
         if step_end is None and any(w.has_work for w in workers):
-            running = [w.take(max_num_tokens, service.packed) for w in workers]
-            step_end = now + service.step_s([[n for _, n in pieces] for pieces in running])
+            taken = [w.take(max_num_tokens, service.packed) for w in workers]
+            lengths = [[n for _, n in pieces] for pieces in taken]
+            forward_end = now + service.step_s(lengths)
+            running = [(pieces, forward_end + service.handoff_s("dep", n)) for pieces, n in zip(taken, lengths)]
+            step_end = forward_end + service.outside_s("dep", lengths)
     return done
 
 
@@ -246,6 +270,20 @@ def fitted_service(results: dict, mix: str, packed: bool = False, variants: tupl
                    f"dep {fits['dep']} (seconds, seconds per computed token)", packed)
 
 
+def line_service(lines: dict, outside: dict, overhead_s: dict, packed: bool, source: str) -> Service:
+    """Forwards on measured lines, lines[mode] = (a s, b s per computed token): a DWDP forward a + b x its
+    tokens, a DEP step a + b x the busiest rank's; outside[mode] (OutsideForward) after each."""
+    def forward_s(lengths):
+        a, b = lines["dwdp"]
+        return a + b * computed_tokens(lengths, packed)
+
+    def step_s(per_rank):
+        a, b = lines["dep"]
+        return a + b * max(computed_tokens(lengths, packed) for lengths in per_rank)
+
+    return Service(forward_s, step_s, overhead_s, source, packed, outside)
+
+
 def analytic_service(sim_config, packed: bool = False) -> Service:
     """The calibrated cost model (dwdp.predict.simulate) of `sim_config`'s model, hardware and group; the
     DWDP copies' contention stretch is the one dwdp.predict.simulate.simulate finds for that setting.
@@ -281,6 +319,8 @@ def analytic_service(sim_config, packed: bool = False) -> Service:
         _, step = simulate_dep(spec, hw, deploy, cal, shape(per_rank), rng)
         return float(step[0])
 
+    outside = cm.outside_forward(spec, hw, cal)
     return Service(forward_s, step_s, {}, f"analytic cost model: {sim_config.model} {sim_config.weight_dtype} on "
-                   f"{sim_config.hardware}, group {sim_config.group_size}, copy stretch {stretch:.2f}"
-                   f"{', packed' if packed else ', padded'}", packed)
+                   f"{sim_config.hardware}, group {sim_config.group_size}, copy stretch {stretch:.2f}, "
+                   f"{1e3 * outside.host_s:.0f} ms host per forward{', packed' if packed else ', padded'}", packed,
+                   {"dwdp": outside, "dep": outside})

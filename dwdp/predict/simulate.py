@@ -15,8 +15,13 @@ slowest rank's end of the step).
 DWDP: each rank alone (dwdp.predict.costmodel.timeline): copies issued when a buffer is released, compute
 slowed while they run, waits where a copy is late. The copy lasts remote bytes / copy-engine rate
 times the contention stretch that dwdp.predict.contention's simulation measures for the copy plan.
+Outside the forward (dwdp.predict.costmodel.outside): every mode pays host work, the KV hand-off and
+the rest after each forward; a DEP step pays it once for the group (the slowest rank's hand-off), a
+DWDP rank after each of its own forwards. Breakdown rows Host, KV hand-off, Other; "Iteration" is the
+forward alone (the paper's Table 1), "Iteration + outside" what a rank spends per forward.
 Throughput per GPU: DEP = all tokens / (N x summed step times); DWDP = mean over ranks of own tokens /
-own time (each rank serves its own queue).
+own time (each rank serves its own queue); both with the time outside the forward (`speedup`) and
+without it (`forward_speedup`, the iteration ratio).
 """
 from __future__ import annotations
 
@@ -32,8 +37,9 @@ from dwdp.predict.contention import PullConfig, simulate_pulls, uncontended_time
 from dwdp.predict.costmodel.operators import COMBINE_AFTER, DISPATCH_BEFORE
 from dwdp.predict.packing import RequestMix, forward_shapes, with_token_cv
 
-ROWS = ("Attention", "GroupedGEMM", "DenseGEMM", "Others", "Communication", "D2D copy", "P2P copy",
-        "Synchronization", "Prefetch wait", "Iteration")
+FORWARD_ROWS = ("Attention", "GroupedGEMM", "DenseGEMM", "Others", "Communication", "D2D copy", "P2P copy",
+                "Synchronization", "Prefetch wait", "Iteration")
+ROWS = FORWARD_ROWS + cm.OUTSIDE_PARTS + ("Iteration + outside",)
 PLANS = ("monolithic", "tdm", "none")
 
 
@@ -83,14 +89,18 @@ class SimConfig:
 
 @dataclass(frozen=True)
 class SimResult:
-    """dep / dwdp: {row of ROWS: seconds per forward}; *_tps_per_gpu: tokens per second per GPU;
-    stretch: copy contention stretch used; slowdown: the copies' interference factors."""
+    """dep / dwdp: {row of ROWS: seconds per forward}; *_tps_per_gpu: tokens per second per GPU with the
+    time outside the forward, *_forward_tps_per_gpu without it; stretch: copy contention stretch used;
+    slowdown: the copies' interference factors; outside: the term both modes paid."""
 
     config: SimConfig
     dep: dict
     dwdp: dict
     dep_tps_per_gpu: float
     dwdp_tps_per_gpu: float
+    dep_forward_tps_per_gpu: float
+    dwdp_forward_tps_per_gpu: float
+    outside: cm.OutsideForward
     tokens_per_forward: float
     token_cv: float
     stretch: float
@@ -100,14 +110,28 @@ class SimResult:
 
     @property
     def speedup(self) -> float:
-        """DWDP / DEP tokens per second per GPU."""
+        """DWDP / DEP tokens per second per GPU, the time outside the forward included."""
         return self.dwdp_tps_per_gpu / self.dep_tps_per_gpu
+
+    @property
+    def gain(self) -> float:
+        """What DWDP adds to DEP's tokens per second per GPU: speedup - 1."""
+        return self.speedup - 1.0
+
+    @property
+    def forward_speedup(self) -> float:
+        """DWDP / DEP tokens per second per GPU over the forwards alone (the iteration ratio)."""
+        return self.dwdp_forward_tps_per_gpu / self.dep_forward_tps_per_gpu
 
     def row(self) -> dict:
         c, dep, dwdp = self.config, self.dep, self.dwdp
         return {"isl": c.isl, "isl_ratio": c.isl_ratio, "isl_std": c.isl_std, "max_num_tokens": c.max_num_tokens,
                 "group_size": c.group_size, "cv": c.cv, "token_cv": self.token_cv,
-                "tokens_per_forward": self.tokens_per_forward, "speedup": self.speedup,
+                "tokens_per_forward": self.tokens_per_forward, "speedup": self.speedup, "gain": self.gain,
+                "forward_speedup": self.forward_speedup,
+                "outside_ms": {mode: {part: 1e3 * row[part] for part in cm.OUTSIDE_PARTS}
+                               for mode, row in (("dep", dep), ("dwdp", dwdp))},
+                "dep_outside_frac": 1.0 - dep["Iteration"] / dep["Iteration + outside"],
                 "dep_sync_frac": dep["Synchronization"] / dep["Iteration"],
                 "dep_a2a_frac": dep["Communication"] / dep["Iteration"],
                 "dwdp_wait_frac": dwdp["Prefetch wait"] / dwdp["Iteration"],
@@ -248,10 +272,18 @@ def simulate(cfg: SimConfig, cal: cm.Calibration | None = None) -> SimResult:
         stretch = copy_stretch(cfg.model, cfg.hardware, deploy, cfg.plan, round(ratio, 2), cfg.slice_bytes,
                                cfg.inflight, cfg.seed)
     dwdp, rank_time, slowdown = simulate_dwdp(spec, hw, deploy, cal, shape, stretch)
+    outside = cm.outside_forward(spec, hw, cal)
+    busiest = tokens.max(axis=1)  # [I]: a DEP step hands off the slowest rank's KV before the next starts
+    dep_step, dwdp_time = step + outside.seconds(busiest), rank_time + outside.seconds(tokens)
+    for row, parts, total in ((dep, outside.parts(busiest), dep_step), (dwdp, outside.parts(tokens), dwdp_time)):
+        row.update({part: float(np.mean(t)) for part, t in parts.items()})
+        row["Iteration + outside"] = float(np.mean(total))
+    tps = lambda step_s, rank_s: (float(tokens.sum() / (tokens.shape[1] * step_s.sum())),  # noqa: E731
+                                  float(np.mean(tokens.sum(axis=0) / rank_s.sum(axis=0))))
+    (dep_tps, dwdp_tps), (dep_forward_tps, dwdp_forward_tps) = tps(dep_step, dwdp_time), tps(step, rank_time)
     return SimResult(
-        config=cfg, dep=dep, dwdp=dwdp,
-        dep_tps_per_gpu=float(tokens.sum() / (tokens.shape[1] * step.sum())),
-        dwdp_tps_per_gpu=float(np.mean(tokens.sum(axis=0) / rank_time.sum(axis=0))),
+        config=cfg, dep=dep, dwdp=dwdp, dep_tps_per_gpu=dep_tps, dwdp_tps_per_gpu=dwdp_tps,
+        dep_forward_tps_per_gpu=dep_forward_tps, dwdp_forward_tps_per_gpu=dwdp_forward_tps, outside=outside,
         tokens_per_forward=float(tokens.mean()), token_cv=float(np.mean(tokens.std(axis=1) / tokens.mean(axis=1))),
         stretch=stretch, slowdown=slowdown, dwdp_weight_bytes=cm.dwdp_weight_bytes(spec, deploy),
         hbm_bytes=hw.hbm_bytes)

@@ -41,7 +41,7 @@ from dwdp.serve.packcheck import worker_forwards
 from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
 from dwdp.serve.prefill import InProgress
 from dwdp.serve.scheduling import take_forward, take_pieces
-from dwdp.serve.worker import answer_forward, model_info, pad_left, run_packed, worker_info
+from dwdp.serve.worker import ForwardGaps, answer_forward, model_info, pad_left, run_packed, worker_info
 
 log = logging.getLogger("dwdp")
 
@@ -119,23 +119,28 @@ def model_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, results):
+def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, results,
+                 gaps: ForwardGaps | None = None):
     """One step of this rank: a forward over `batch`, answering each finished job, or an idle step
     when `batch` is empty. `batch`: PrefillJobs (a padded forward) or (InProgress, tokens) pairs (a
     packed one, dwdp.serve.scheduling.take_pieces). Returns the padded forward's last-position
     logits [B, V], the packed forward's [(finished prompt, its last logits [V])], or None when idle. Raises what the forward
-    or its collectives raised: the caller breaks the group."""
+    or its collectives raised: the caller breaks the group. gaps: this rank's ForwardGaps (time
+    between two forwards of its own; an idle step in between leaves that gap unmeasured)."""
     if not batch:
         model.idle_step()
         model.stats.reset()
+        if gaps is not None:
+            gaps.forget()
         return None
     if isinstance(batch[0], tuple):
         # comm_s: inside the all-to-alls, own transfers plus waiting for the slowest rank
-        done = run_packed(model, batch, rank, kv_dir, model_name, results, 0.0, lambda: model.stats.comm_s)
+        done = run_packed(model, batch, rank, kv_dir, model_name, results, 0.0, lambda: model.stats.comm_s, gaps)
         model.stats.reset()  # a long-lived server keeps no per-call history
         return done
     results.put(BatchStarted(rank, tuple(job.request_id for job in batch)))
     started = time.monotonic()
+    outside_s = gaps.start(started) if gaps is not None else None
     ids, mask, positions, pads = pad_left([job.input_ids for job in batch])
     device = model_device(model)
     with torch.inference_mode():
@@ -143,11 +148,13 @@ def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, re
                     use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]                                               # [B, V]
     first = logits.argmax(-1).tolist()
-    prefill_s = time.monotonic() - started
+    ended = time.monotonic()
+    if gaps is not None:
+        gaps.end(ended)
     comm_s = model.stats.comm_s  # inside the all-to-alls: own transfers plus waiting for the slowest rank
     model.stats.reset()          # a long-lived server keeps no per-call history
     answer_forward(out.past_key_values, first, batch, pads, int(ids.numel()), rank, kv_dir, model_name, results,
-                   started, prefill_s, comm_s)
+                   started, ended - started, comm_s, outside_s)
     return logits
 
 
@@ -176,6 +183,7 @@ def serve_dep_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
     active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
+    gaps = ForwardGaps()
     stopping, is_busy, step, last_check = False, False, 0, time.monotonic()
     while True:
         stopping = _collect(requests, pending, stopping, 0.0 if pending or active or is_busy else IDLE_POLL_S)
@@ -196,10 +204,11 @@ def serve_dep_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests
                 if bool(plan[:, 1].all()):
                     return
                 is_busy = False
+                gaps.forget()  # the group waits for work: not time outside a forward
                 continue
             is_busy, step = True, step + 1
             what = f"step {step} (its forward of {len(batch)} prompts)" if batch else f"step {step} (an idle step)"
-            logits = run_dep_step(model, batch, rank, kv_dir, config.model_name, results)
+            logits = run_dep_step(model, batch, rank, kv_dir, config.model_name, results, gaps)
         except Exception as exc:
             detail = str(exc).splitlines()[0] if str(exc) else ""
             why = (f"DEP rank {rank} failed in {what}: {describe_peers(rank, pids)}. A DEP group cannot step without "

@@ -83,6 +83,10 @@ class _Rank:
     served_tokens: int = 0
     prefetch_wait_s: float = 0.0                        # exposed prefetch wait of its forwards
     forwards: int = 0
+    forward_s: float = 0.0                              # time in its forwards
+    outside_s: float = 0.0                              # time between its forwards, waits for work left out
+    outside_forwards: int = 0                           # forwards that time was measured before
+    kv_write_s: float = 0.0                             # time writing its answers' KV artifacts
     computed_tokens: int = 0                            # tokens its forwards computed (padding included)
     real_tokens: int = 0                                # prompt tokens of its forwards
     health: dict = field(default_factory=dict)          # its latest failover status (WorkerHealth)
@@ -346,6 +350,7 @@ class WorkerPool:
             elif isinstance(msg, PrefillResult):
                 r = self._ranks[msg.rank]
                 req = self._finish_locked(msg.request_id)
+                r.kv_write_s += msg.kv_write_s
                 if req is not None:
                     r.served_requests += 1
                     r.served_tokens += msg.prompt_tokens
@@ -354,6 +359,10 @@ class WorkerPool:
             elif isinstance(msg, BatchDone):
                 r = self._ranks[msg.rank]
                 r.forwards += 1
+                r.forward_s += msg.prefill_s
+                if msg.outside_s is not None:
+                    r.outside_s += msg.outside_s
+                    r.outside_forwards += 1
                 r.prefetch_wait_s += msg.prefetch_wait_s
                 r.computed_tokens += msg.padded_tokens
                 r.real_tokens += msg.real_tokens
@@ -497,7 +506,9 @@ class WorkerPool:
                 "outstanding_tokens": r.outstanding_tokens, "served_requests": r.served_requests,
                 "served_tokens": r.served_tokens, "forwards": r.forwards,
                 "computed_tokens": r.computed_tokens, "real_tokens": r.real_tokens,
-                "prefetch_wait_s": r.prefetch_wait_s, "routable": r.is_routable, "stalled": r.is_stalled,
+                "prefetch_wait_s": r.prefetch_wait_s, "forward_s": r.forward_s, "outside_s": r.outside_s,
+                "outside_forwards": r.outside_forwards, "kv_write_s": r.kv_write_s,
+                "routable": r.is_routable, "stalled": r.is_stalled,
                 "lost_peers": r.health.get("lost", {}), "replans": r.health.get("replans", 0),
                 "retried_slices": r.health.get("retried_slices", 0),
                 "unservable_experts": list(r.health.get("unservable_experts", ())),

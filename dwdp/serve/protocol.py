@@ -51,6 +51,7 @@ class BatchDone:
     prefetch_wait_s: float      # exposed expert-prefetch wait of this forward (DEP: time inside its all-to-alls)
     real_tokens: int = 0        # prompt tokens of the forward (no padding)
     prefilled: tuple[tuple[str, int], ...] = ()  # (request id, its tokens in this forward): a chunk or a whole prompt
+    outside_s: float | None = None  # the rank's previous forward's end -> this one's start, waits for work left out
 
 
 @dataclass(frozen=True)

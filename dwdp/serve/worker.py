@@ -123,10 +123,39 @@ class HealthReporter:
         self._thread.join(timeout=5)
 
 
-def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name: str, results) -> None:
+class ForwardGaps:
+    """A worker's time outside its forwards: from the end of one to the start of the next (its answers
+    and KV artifacts, the router's next requests, planning the forward), what it spent waiting for work
+    left out. BatchDone.outside_s carries it; the router sums it per rank (/health)."""
+
+    def __init__(self):
+        self._end: float | None = None
+        self._waited = 0.0
+
+    def start(self, now: float) -> float | None:
+        """A forward starts at `now`: seconds outside forwards since the previous one (None: none yet)."""
+        gap = None if self._end is None else max(0.0, now - self._end - self._waited)
+        self._end, self._waited = None, 0.0
+        return gap
+
+    def end(self, now: float) -> None:
+        self._end, self._waited = now, 0.0
+
+    def waited(self, seconds: float) -> None:
+        """The worker waited this long for work (nothing to do): not time outside a forward."""
+        self._waited += seconds
+
+    def forget(self) -> None:
+        """Something else ran since the last forward (a DEP idle step): the next gap is not measured."""
+        self._end, self._waited = None, 0.0
+
+
+def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name: str, results,
+              gaps: ForwardGaps | None = None) -> None:
     """One forward over `batch`; puts one PrefillResult (or PrefillError) per job on `results`."""
     results.put(BatchStarted(rank, tuple(job.request_id for job in batch)))
     started = time.monotonic()
+    outside_s = gaps.start(started) if gaps is not None else None
     ids, mask, positions, pads = pad_left([job.input_ids for job in batch])
     device = model.device  # the wrapped model's own device
     wait_before = model.stats.wait_s
@@ -144,19 +173,23 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         for job in batch:
             results.put(PrefillError(job.request_id, rank, "prefill_failed", f"rank {rank}: {exc!r}"))
         return
-    prefill_s = time.monotonic() - started
+    ended = time.monotonic()
+    if gaps is not None:
+        gaps.end(ended)
     wait_s = model.stats.wait_s - wait_before
     answer_forward(out.past_key_values, first, batch, pads, int(ids.numel()), rank, kv_dir, model_name, results,
-                   started, prefill_s, wait_s)
+                   started, ended - started, wait_s, outside_s)
 
 
 def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[int], batch_tokens: int, rank: int,
-                   kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float) -> None:
+                   kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float,
+                   outside_s: float | None = None) -> None:
     """After a forward over `batch` that started at `started`: BatchDone, then one PrefillResult
-    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [B] first tokens."""
+    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [B] first tokens;
+    outside_s: the rank's time outside forwards before this one (ForwardGaps)."""
     real = sum(len(job.input_ids) for job in batch)
     results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s, real,
-                          tuple((job.request_id, len(job.input_ids)) for job in batch)))
+                          tuple((job.request_id, len(job.input_ids)) for job in batch), outside_s))
     for row, job in enumerate(batch):
         t0 = time.monotonic()
         try:
@@ -174,23 +207,27 @@ def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[
 
 
 def run_packed(model, plan: list[tuple[InProgress, int]], rank: int, kv_dir: str, model_name: str, results,
-               wait_before: float = 0.0, wait_of=None) -> list[InProgress]:
+               wait_before: float = 0.0, wait_of=None, gaps: ForwardGaps | None = None) -> list[InProgress]:
     """One packed forward of `plan` (dwdp.serve.scheduling.take_pieces): BatchStarted, the forward,
     BatchDone with each prompt's tokens in it, then a PrefillResult (or PrefillError) for every
     prompt it finished. Returns [(finished prompt, its last-position logits [V])]. Raises what
     the forward raised, after nothing was answered: the caller fails the plan's prompts.
-    wait_of(): the exposed wait of the forward (DWDP prefetch wait, DEP all-to-all time) so far."""
+    wait_of(): the exposed wait of the forward (DWDP prefetch wait, DEP all-to-all time) so far;
+    gaps: the rank's ForwardGaps (BatchDone.outside_s)."""
     started = time.monotonic()
+    outside_s = gaps.start(started) if gaps is not None else None
     for state, _ in plan:
         if state.started is None:
             state.started = started
     results.put(BatchStarted(rank, tuple(state.job.request_id for state, _ in plan)))
     finished = advance(model, plan)
-    prefill_s = time.monotonic() - started
+    ended = time.monotonic()
+    if gaps is not None:
+        gaps.end(ended)
     wait_s = (wait_of() if wait_of is not None else 0.0) - wait_before
     real = sum(n for _, n in plan)
-    results.put(BatchDone(rank, len(plan), real, prefill_s, wait_s, real,
-                          tuple((state.job.request_id, n) for state, n in plan)))
+    results.put(BatchDone(rank, len(plan), real, ended - started, wait_s, real,
+                          tuple((state.job.request_id, n) for state, n in plan), outside_s))
     for state, first, _ in finished:
         job, t0 = state.job, time.monotonic()
         try:
@@ -210,14 +247,14 @@ def run_packed(model, plan: list[tuple[InProgress, int]], rank: int, kv_dir: str
 
 
 def step_packed(model, active: list[InProgress], pending: deque, rank: int, config: ServeConfig, kv_dir: str,
-                results) -> None:
+                results, gaps: ForwardGaps | None = None) -> None:
     """Take the next packed forward from `active` and `pending` and run it (DWDP worker); a forward
     that fails answers every prompt it held (retryable when the rank lost experts or its device)."""
     plan = take_pieces(active, pending, config.max_num_tokens, config.batch_order, config.fairness_s,
                        time.monotonic())
     try:
         done = [state for state, _ in run_packed(model, plan, rank, kv_dir, config.model_name, results,
-                                                 model.stats.wait_s, lambda: model.stats.wait_s)]
+                                                 model.stats.wait_s, lambda: model.stats.wait_s, gaps)]
     except RankDegraded as exc:
         for state, _ in plan:
             results.put(PrefillError(state.job.request_id, rank, "rank_degraded", str(exc), retryable=True))
@@ -237,15 +274,19 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
     parent = multiprocessing.parent_process()
     pending: deque[PrefillJob] = deque()
     active: list[InProgress] = []  # prompts with chunks prefilled and chunks to go
+    gaps = ForwardGaps()
     stopping = False
     while not (stopping and not pending and not active):
         if not pending and not active and not stopping:
+            waiting = time.monotonic()
             try:
                 job = requests.get(timeout=1.0)
             except queue.Empty:
                 if parent is not None and not parent.is_alive():
                     return  # the router died without stopping us: nobody will read our answers
                 continue
+            finally:
+                gaps.waited(time.monotonic() - waiting)
             if job is STOP:
                 stopping = True
                 continue
@@ -261,11 +302,11 @@ def serve_queue(model, rank: int, config: ServeConfig, kv_dir: str, requests, re
             elif not _control(model, rank, job, results):
                 pending.append(job)
         if is_packed and (pending or active):
-            step_packed(model, active, pending, rank, config, kv_dir, results)
+            step_packed(model, active, pending, rank, config, kv_dir, results, gaps)
         elif pending:
             batch = take_forward(pending, config.max_num_tokens, config.batch_order, config.fairness_s,
                                  time.monotonic())
-            run_batch(model, batch, rank, kv_dir, config.model_name, results)
+            run_batch(model, batch, rank, kv_dir, config.model_name, results, gaps)
 
 
 def _control(model, rank: int, message, results) -> bool:

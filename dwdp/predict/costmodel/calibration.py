@@ -1,8 +1,10 @@
 """Constants fitted to measurements: how far real kernels and links fall short of the datasheet peaks.
 
-The values live in dwdp/predict/data/calibration.json, each with its source; bench/calibrate.py fits them
-to the DEP4 column of the DWDP paper's Table 1 and rewrites that file. `IDEAL` is the plain
-roofline (every peak reached, no expert-load spread).
+The values live in dwdp/predict/data/calibration.json, each with its source; bench/calibrate.py fits the
+kernel and link shares to the DEP4 column of the DWDP paper's Table 1, and the host time outside the
+forward to one end-to-end point (its Table 3b: ISL 8K, ratio 0.8, max-num-tokens 32K), and rewrites
+that file. `IDEAL` is the plain roofline (every peak reached, no expert-load spread, nothing outside
+the forward but the KV hand-off).
 """
 from __future__ import annotations
 
@@ -23,7 +25,9 @@ class Calibration:
     memory: share of the HBM peak reached by memory-bound kernels (and a merge copy);
     all_to_all: share of the NVLink rate per direction reached by DEP's dispatch and combine;
     expert_load_cv: per-layer coefficient of variation of routed rows across DEP ranks (expert skew);
-    clock_power_exponent: a: dynamic power of a compute-bound kernel ~ clock ** a."""
+    clock_power_exponent: a: dynamic power of a compute-bound kernel ~ clock ** a;
+    outside_host_s / outside_other_s: seconds per forward every mode pays outside it for host work and
+    for the rest (dwdp.predict.costmodel.outside)."""
 
     attention: float = 1.0
     grouped_gemm: float = 1.0
@@ -32,6 +36,8 @@ class Calibration:
     all_to_all: float = 1.0
     expert_load_cv: float = 0.0
     clock_power_exponent: float = 1.0
+    outside_host_s: float = 0.0
+    outside_other_s: float = 0.0
 
     def __post_init__(self):
         for name in ("attention", "grouped_gemm", "dense_gemm", "memory", "all_to_all"):
@@ -41,6 +47,9 @@ class Calibration:
         if self.expert_load_cv < 0 or self.clock_power_exponent <= 0:
             raise ValueError(f"expert_load_cv={self.expert_load_cv} must be >= 0 and "
                              f"clock_power_exponent={self.clock_power_exponent} > 0")
+        if self.outside_host_s < 0 or self.outside_other_s < 0:
+            raise ValueError(f"outside_host_s={self.outside_host_s} and outside_other_s={self.outside_other_s} must "
+                             f"be >= 0: time outside the forward")
 
     def compute_efficiency(self, category: str) -> float:
         """Share of the tensor-core (or CUDA-core) peak an operator of `category` reaches."""

@@ -20,6 +20,7 @@ from dwdp.predict.costmodel.hardware import Hardware
 from dwdp.predict.costmodel.interference import CopySlowdown, copy_slowdown
 from dwdp.predict.costmodel.models import ModelSpec
 from dwdp.predict.costmodel.operators import OpCost, attention_ops, attention_projections, dense_mlp_ops, moe_ops, norm_elems
+from dwdp.predict.costmodel.outside import outside_forward
 from dwdp.predict.costmodel.timeline import RankTimeline, dwdp_timeline
 
 
@@ -144,7 +145,8 @@ def rank_timeline(spec: ModelSpec, hw: Hardware, layers: list[LayerCost], deploy
 @dataclass(frozen=True)
 class Prediction:
     """One rank, one forward, no imbalance, no contention (stretch 1). Per-layer figures are means
-    over MoE layers; t_compute excludes interference, dwdp_forward_s includes it."""
+    over MoE layers; t_compute excludes interference, dwdp_forward_s includes it; outside_s: what
+    either mode pays per forward outside it (dwdp.predict.costmodel.outside)."""
 
     model: str
     hardware: str
@@ -169,6 +171,7 @@ class Prediction:
     dwdp_weight_bytes: float
     dep_weight_bytes: float
     hbm_bytes: float
+    outside_s: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -177,7 +180,13 @@ class Prediction:
 
     @property
     def speedup(self) -> float:
+        """DEP / DWDP forward time (the roofline's T_DEP / T_DWDP)."""
         return self.dep_forward_s / self.dwdp_forward_s
+
+    @property
+    def tps_speedup(self) -> float:
+        """DWDP / DEP tokens per second per GPU: the forwards and the time outside them."""
+        return (self.dep_forward_s + self.outside_s) / (self.dwdp_forward_s + self.outside_s)
 
     @property
     def dwdp_fits(self) -> bool:
@@ -191,6 +200,7 @@ class Prediction:
             "remote_gb_per_layer": self.remote_bytes_per_layer / 1e9, "ratio": self.ratio,
             "dwdp_forward_ms": 1e3 * self.dwdp_forward_s, "dwdp_exposed_ms": 1e3 * self.dwdp_exposed_s,
             "dep_forward_ms": 1e3 * self.dep_forward_s, "speedup": self.speedup,
+            "outside_ms": 1e3 * self.outside_s, "tps_speedup": self.tps_speedup,
             "compute_slowdown": self.slowdown.compute, "memory_slowdown": self.slowdown.memory,
             "dwdp_weight_gb": self.dwdp_weight_bytes / 1e9, "dep_weight_gb": self.dep_weight_bytes / 1e9,
             "dwdp_fits": self.dwdp_fits,
@@ -254,6 +264,7 @@ def predict(spec: ModelSpec, hw: Hardware, workload: Workload, deploy: Deploymen
         dwdp_weight_bytes=dwdp_weight_bytes(spec, deploy),
         dep_weight_bytes=replicated + spec.num_moe_layers * math.ceil(spec.num_experts / deploy.group_size) * per_expert,
         hbm_bytes=hw.hbm_bytes,
+        outside_s=float(outside_forward(spec, hw, cal).seconds(workload.tokens)),
     )
 
 
