@@ -235,6 +235,25 @@ class CudaTransport(Transport):
     """
 
     name = "cuda"
+    device_types = auto_for = ("cuda",)
+    # One cuda.bindings batch call costs the host about 5.6 us per copy on the H100 measured
+    # (bench/results/h100_submit_cost_ed3ed31.json), whatever the copy's size and link, so a rank cannot
+    # issue 1 MiB slices faster than ~190 GB/s, under the ~370-397 GB/s a copy engine moves one way over
+    # NVLink 4 (nvbandwidth, NCCL issue #1264); 4 MiB slices issue at ~750 GB/s. Slices of one peer that
+    # follow each other go out as one copy anyway (dwdp.runtime.plan.coalesce): this only matters where
+    # several peers alternate. `dwdp tune` on the node measures it.
+    default_slice_bytes = 4 << 20
+    settles_cuda_mapping = True
+    nvtx_ranges = True
+
+    @classmethod
+    def from_config(cls, rank: int, config, *, device=None, mapping: str | None = None,
+                    process_group=None) -> "CudaTransport":
+        """cuda_copy, copy_batches and wait_timeout_s (the close deadline) from the DWDPConfig; mapping:
+        the one the group settled on (dwdp.runtime.cuda_mapping), "ipc" when None."""
+        return cls(rank, device, copy=config.cuda_copy, copy_batches=config.copy_batches,
+                   mapping=mapping if mapping is not None else "ipc", process_group=process_group,
+                   close_timeout_s=config.wait_timeout_s)
 
     def __init__(self, rank: int, device: torch.device | str | int = "cuda", *, copy: str = "batch",
                  copy_batches: int = 4, mapping: str = "ipc", process_group=None, prefer_overlap: bool = True,
