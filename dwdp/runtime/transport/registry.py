@@ -26,8 +26,11 @@ def register_transport(name: str, cls: type[Transport]) -> type[Transport]:
     backend="auto" would already pick another backend for."""
     if not (isinstance(cls, type) and issubclass(cls, Transport)):
         raise ValueError(f"backend {name!r}: {cls!r} is not a Transport subclass")
-    if name == "auto" or getattr(cls, "name", None) != name:
-        raise ValueError(f"backend {name!r}: the class's name is {getattr(cls, 'name', None)!r} ('auto' is taken)")
+    if name == "auto":
+        raise ValueError("backend name 'auto' is taken: it picks a backend by the model's device type")
+    if getattr(cls, "name", None) != name:
+        raise ValueError(f"backend {name!r}: the class's name is {getattr(cls, 'name', None)!r}; they must agree "
+                         "(handles and logs carry the class's)")
     if _TRANSPORTS.get(name, cls) is not cls:
         raise ValueError(f"backend {name!r} is already {_TRANSPORTS[name].__qualname__}")
     slice_bytes = getattr(cls, "default_slice_bytes", None)
