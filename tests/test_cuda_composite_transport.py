@@ -297,6 +297,23 @@ def test_forgetting_a_peer_releases_its_import_once_its_copies_have_run():
     assert not group.drivers[0].errors and not group.drivers[0].memory
 
 
+def test_close_releases_the_import_of_a_peer_forgotten_while_its_copies_ran():
+    """A lost peer's import still behind its fence when the transport closes goes with the close, once
+    the copy stream drained (nobody polls the fence in between)."""
+    group = VmmGroup("page").open()
+    t, driver = group.transports[0], group.drivers[0]
+    imported = t.mapper.peer_ranges[1]
+    group.device.stalled.add(t._stream)
+    t.submit(build_composite_plan(group.layouts, 0, 0, group.slice_bytes), group.views[0].layer_range(0))
+    t.forget_peer(1)
+    group.device.stalled.clear()
+    t.close()
+    assert imported.ptr not in driver.mapped and not set(imported.handles) & set(driver.memory), \
+        "the retired import outlived close"
+    group.close()
+    assert not driver.errors and not driver.memory and not driver.mapped, (driver.errors, driver.mapped)
+
+
 def test_composite_views_need_a_vmm_mapping():
     device = FakeDevice()
     t = CudaTransport(0, "cpu", mapping="ipc", api=FakeCudaApi(device, 0))
