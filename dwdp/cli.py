@@ -25,6 +25,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from dwdp.runtime.transport.registry import backend_names
+
     parser = argparse.ArgumentParser(prog="dwdp", description="Distributed Weight Data Parallelism for MoE serving")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="run a local DWDP group on a tiny model, checked against the unwrapped model")
@@ -55,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="experts quantized as fp8 (128x128 block scales) or MXFP4 (default: as the config says)")
     tune.add_argument("--group-size", type=_positive_int, default=4, help="ranks per DWDP group (default 4)")
     tune.add_argument("--max-num-tokens", type=_positive_int, default=256, help="tokens per forward (default 256)")
-    tune.add_argument("--backend", choices=("auto", "host", "cuda"), default="auto",
+    tune.add_argument("--backend", choices=("auto", *backend_names()), default="auto",
                       help="transport to measure: cuda (copy engines, this node's GPUs), host, or auto: cuda when a "
                            "CUDA device is usable (default auto)")
     tune.add_argument("--slice-sizes", default=None,
@@ -208,13 +210,14 @@ def _model_config(command: str, path: str):
 def _tune(args) -> int:
     import json
 
-    from dwdp.tune.recommend import TUNE_DEFAULTS, resolve_tune_backend, run_tune
+    from dwdp.runtime.transport.registry import auto_backend
+    from dwdp.tune.recommend import copy_device, resolve_tune_backend, run_tune, tune_candidates
 
-    if args.backend == "cuda":
+    if args.backend != "auto" and copy_device(args.backend) == "cuda":
         from dwdp.runtime.devices import NoGpu, require_gpu
 
         try:
-            require_gpu("dwdp tune", flag="--backend cuda", instead="--backend host")
+            require_gpu("dwdp tune", flag=f"--backend {args.backend}", instead=f"--backend {auto_backend('cpu')}")
         except NoGpu as exc:
             raise SystemExit(str(exc)) from None
     if args.model:
@@ -231,7 +234,7 @@ def _tune(args) -> int:
         quant = ExpertsQuantization("fp8", FP8_BLOCK) if args.dtype == "fp8" else ExpertsQuantization(args.dtype)
         model_config.quantization_config = quant.config_dict()
     backend = resolve_tune_backend(args.backend)
-    default_sizes, default_batches = TUNE_DEFAULTS[backend]
+    default_sizes, default_batches = tune_candidates(backend)
     sizes = _int_list("--slice-sizes", args.slice_sizes or default_sizes, 1)
     batches = _int_list("--copy-batches", args.copy_batches or default_batches, 1)
     budget = int(args.memory_gib * 2**30) if args.memory_gib else None

@@ -54,7 +54,7 @@ def _demo_rank(rank: int, opts: dict) -> dict:
         reference = logits_of(unwrapped)
         # bf16 on a GPU: two correct paths of transformers disagree too, and that spread sets the bound.
         spread = transformers_spread(unwrapped, logits_of, reference) if on_gpu else 0.0
-    config = DWDPConfig(slice_bytes=opts["slice_bytes"], backend="cuda" if on_gpu else "host")
+    config = DWDPConfig(slice_bytes=opts["slice_bytes"])  # backend "auto": the one for the model's device
     from dwdp.runtime.model import DWDPModel
 
     with DWDPModel(model, config, init_group(), trace=opts["trace"]) as wrapped, torch.no_grad():

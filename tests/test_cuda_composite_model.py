@@ -27,7 +27,7 @@ PAGE = 4096
 def _fake_cuda_backend(drivers: list) -> None:
     """Route DWDPModel's cuda backend to the fakes (in this process only)."""
     import dwdp.runtime.model as model_module
-    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport import cuda_vmm_peers
     from dwdp.runtime.transport.cuda import CudaTransport
     from dwdp.runtime.transport.cuda_vmm import Vmm, choose_mapping
     from fake_cuda import EagerFakeCudaApi, FakeDevice
@@ -41,7 +41,7 @@ def _fake_cuda_backend(drivers: list) -> None:
 
     model_module.resolve_backend = lambda backend, device: "cuda"
     model_module.make_transport = make_transport
-    cuda_transport.local_vmm_mapping = lambda rank, device: choose_mapping(Vmm(0, HostBackedDriver(PAGE)), rank,
+    cuda_vmm_peers.local_vmm_mapping = lambda rank, device: choose_mapping(Vmm(0, HostBackedDriver(PAGE)), rank,
                                                                            imex=False)
 
 
@@ -54,13 +54,13 @@ def _record_close_order(events: list) -> None:
     withdraw, seal = Board.withdraw, CudaTransport.seal
 
     def recording_withdraw(board, rank):
-        events.append(("withdraw", [fd for t in _live_transports for fd in t._exported_fds]))
+        events.append(("withdraw", [fd for t in _live_transports for fd in t.mapper.exported_fds]))
         return withdraw(board, rank)
 
     def recording_seal(transport):
         _live_transports.append(transport)
         if transport._closed:
-            events.append(("close exports", list(transport._exported_fds)))
+            events.append(("close exports", list(transport.mapper.exported_fds)))
         return seal(transport)
 
     Board.withdraw, CudaTransport.seal = recording_withdraw, recording_seal
@@ -107,7 +107,7 @@ def _rank(rank: int) -> dict:
                      plans=wrapped.stats.plans_issued, layers=len(wrapped.experts_layers),
                      access=len(driver.access), reserved=len(driver.reserved),
                      imports=driver.names().count("cuMemImportFromShareableHandle"), errors=list(driver.errors),
-                     peer_allocations=len(wrapped.transport._peer_ranges[1 - rank].sizes),
+                     peer_allocations=len(wrapped.transport.mapper.peer_ranges[1 - rank].sizes),
                      fd_path=wrapped.transport.fd_paths[1 - rank])
         r.update(diff=max((g - w).abs().max().item() for g, w in zip(got, want)),
                  scale=max(w.abs().max().item() for w in want),
@@ -165,17 +165,17 @@ class _Answers:
     ("vmm-posix-fd", [("a", "vmm-posix-fd"), ("b", "vmm-posix-fd")], "auto", "symmetric_memory"),
 ])
 def test_the_group_settles_on_a_mapping_every_rank_can_use(monkeypatch, local, answers, requested, want):
-    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport import cuda_vmm_peers
 
-    monkeypatch.setattr(cuda_transport, "local_vmm_mapping", lambda rank, device: local)
-    monkeypatch.setattr(cuda_transport, "fabric_import_refusals", lambda rank, device, gather: [])
+    monkeypatch.setattr(cuda_vmm_peers, "local_vmm_mapping", lambda rank, device: local)
+    monkeypatch.setattr(cuda_vmm_peers, "fabric_import_refusals", lambda rank, device, gather: [])
     assert _cuda_mapping(requested, "auto", _Answers(0, answers), torch.device("cuda", 0)) == want
 
 
 def test_vmm_across_hosts_without_fabric_is_refused(monkeypatch):
-    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport import cuda_vmm_peers
 
-    monkeypatch.setattr(cuda_transport, "local_vmm_mapping", lambda rank, device: "vmm-posix-fd")
+    monkeypatch.setattr(cuda_vmm_peers, "local_vmm_mapping", lambda rank, device: "vmm-posix-fd")
     with pytest.raises(ValueError, match="cuda_mapping='vmm' across 2 hosts needs fabric handles"):
         _cuda_mapping("vmm", "auto", _Answers(0, [("a", "vmm-posix-fd"), ("b", "vmm-posix-fd")]), torch.device("cuda"))
 
@@ -215,10 +215,10 @@ def test_ipc_fallback_is_one_log_line_under_auto_and_an_error_for_composite(capl
 
 
 def test_fabric_handles_that_do_not_cross_fall_back_to_posix_fds_with_the_reason(monkeypatch, caplog):
-    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport import cuda_vmm_peers
 
-    monkeypatch.setattr(cuda_transport, "local_vmm_mapping", lambda rank, device: "vmm-fabric")
-    monkeypatch.setattr(cuda_transport, "fabric_import_refusals",
+    monkeypatch.setattr(cuda_vmm_peers, "local_vmm_mapping", lambda rank, device: "vmm-fabric")
+    monkeypatch.setattr(cuda_vmm_peers, "fabric_import_refusals",
                         lambda rank, device, gather: ["rank 1: import from rank 0: CUDA_ERROR_NOT_PERMITTED"])
     with caplog.at_level(logging.INFO, logger="dwdp"):
         got = _cuda_mapping("auto", "auto", _Answers(0, [("a", "vmm-fabric"), ("a", "vmm-fabric")]), torch.device("cuda"))
@@ -229,7 +229,7 @@ def test_fabric_handles_that_do_not_cross_fall_back_to_posix_fds_with_the_reason
 
 @pytest.mark.parametrize("refuse_import", [False, True])
 def test_the_fabric_trial_imports_every_peers_handle(refuse_import):
-    from dwdp.runtime.transport.cuda import fabric_import_refusals
+    from dwdp.runtime.transport.cuda_vmm_peers import fabric_import_refusals
     from dwdp.runtime.transport.cuda_vmm import Vmm
     from fake_cuda_vmm import FakeDriver
 

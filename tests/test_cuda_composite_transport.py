@@ -115,7 +115,7 @@ def test_copies_write_inside_the_views_and_read_inside_the_peers_imports(case):
     batches = [args for r, name, args in group.device.calls[start:] if r == rank and name == "prepare_batch"]
     assert batches, "no copy was prepared"
     lo = views.layer_pointer(layer)
-    imports = {p: t._peer_ranges[p] for p in range(group.G) if p != rank}
+    imports = {p: t.mapper.peer_ranges[p] for p in range(group.G) if p != rank}
     owned = set(group.placement.owned[rank])
     copied = 0
     for dsts, srcs, sizes, _ in batches:
@@ -158,9 +158,9 @@ def test_call_sequence_sizes_alignments_and_one_set_access_per_range(case):
                 assert size % g == 0 and alignment == g
         # One set-access per reserved range, covering it whole: the segment, each layer's views, each import.
         ranges = sorted(driver.reserved.items())
-        own_range = group.transports[r]._own_range
+        own_range = group.transports[r].mapper.own_range
         layer_ranges = [(group.views[r].layer_pointer(x), layout.layer_nbytes) for x in range(layout.num_layers)]
-        imports = [(m.ptr, m.nbytes) for m in group.transports[r]._peer_ranges.values()]
+        imports = [(m.ptr, m.nbytes) for m in group.transports[r].mapper.peer_ranges.values()]
         assert sorted(driver.access) == sorted([(own_range.ptr, own_range.nbytes), *layer_ranges, *imports])
         assert len(driver.access) == 1 + layout.num_layers + group.G - 1
         assert len(ranges) == 1 + 1 + group.G - 1  # the segment, the views (all layers), each import
@@ -203,7 +203,7 @@ def test_seal_closes_the_exported_fds_and_close_releases_everything_in_reverse()
 
 
 def test_every_imported_fd_is_closed_right_after_its_import(monkeypatch):
-    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport import cuda_vmm_peers
 
     taken = []  # (fd, inode) of every descriptor taken from a peer
 
@@ -214,7 +214,7 @@ def test_every_imported_fd_is_closed_right_after_its_import(monkeypatch):
 
     from dwdp.runtime.transport.cuda_vmm import take_fds as cuda_vmm_take_fds
 
-    monkeypatch.setattr(cuda_transport, "take_fds", recording)
+    monkeypatch.setattr(cuda_vmm_peers, "take_fds", recording)
     group = VmmGroup("page").open()
     assert len(taken) == sum(len(group.layouts[p].segment_allocations) for p in range(group.G)) * (group.G - 1)
     for fd, inode in taken:  # closed, or its number reused for another file since
@@ -282,7 +282,7 @@ def test_forgetting_a_peer_releases_its_import_once_its_copies_have_run():
     group = VmmGroup("page").open()
     t, driver = group.transports[0], group.drivers[0]
     peer = 1
-    imported = t._peer_ranges[peer]
+    imported = t.mapper.peer_ranges[peer]
     group.device.stalled.add(t._stream)  # a copy from the peer is still on the copy stream
     plan = build_composite_plan(group.layouts, 0, 0, group.slice_bytes)
     t.submit(plan, group.views[0].layer_range(0))
@@ -292,9 +292,26 @@ def test_forgetting_a_peer_releases_its_import_once_its_copies_have_run():
     group.device.run()
     t._unmap_landed()
     assert imported.ptr not in driver.mapped and not set(imported.handles) & set(driver.memory)
-    assert peer not in t._peer_ranges
+    assert peer not in t.mapper.peer_ranges
     group.close()
     assert not group.drivers[0].errors and not group.drivers[0].memory
+
+
+def test_close_releases_the_import_of_a_peer_forgotten_while_its_copies_ran():
+    """A lost peer's import still behind its fence when the transport closes goes with the close, once
+    the copy stream drained (nobody polls the fence in between)."""
+    group = VmmGroup("page").open()
+    t, driver = group.transports[0], group.drivers[0]
+    imported = t.mapper.peer_ranges[1]
+    group.device.stalled.add(t._stream)
+    t.submit(build_composite_plan(group.layouts, 0, 0, group.slice_bytes), group.views[0].layer_range(0))
+    t.forget_peer(1)
+    group.device.stalled.clear()
+    t.close()
+    assert imported.ptr not in driver.mapped and not set(imported.handles) & set(driver.memory), \
+        "the retired import outlived close"
+    group.close()
+    assert not driver.errors and not driver.memory and not driver.mapped, (driver.errors, driver.mapped)
 
 
 def test_composite_views_need_a_vmm_mapping():
@@ -397,7 +414,7 @@ def test_a_peer_segment_is_a_tensor_over_its_mapping_not_a_copy():
     t = group.transports[0]
     for peer in (1, 2):
         tensor = t.peer_segment(peer)
-        assert tensor.data_ptr() == t._peer_ranges[peer].ptr, "the peer's segment was copied"
+        assert tensor.data_ptr() == t.mapper.peer_ranges[peer].ptr, "the peer's segment was copied"
         assert torch.equal(tensor[:group.segments[peer].numel()], group.segments[peer])
     group.close()
 
@@ -436,7 +453,7 @@ def test_the_copies_issued_keep_the_peers_round_robin():
         plan = group.prefetch(rank, 1)
         srcs = [src for r, name, args in group.device.calls[start:] if r == rank and name == "prepare_batch"
                 for src in args[1]]
-        peers = [next(p for p, m in group.transports[rank]._peer_ranges.items()
+        peers = [next(p for p, m in group.transports[rank].mapper.peer_ranges.items()
                       if m.ptr <= src < m.ptr + m.nbytes) for src in srcs]
         first_round = list(dict.fromkeys(peers))
         assert first_round == [p for p in ((rank + k) % 4 for k in range(1, 4)) if p in plan.peers], \

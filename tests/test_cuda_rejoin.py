@@ -13,7 +13,8 @@ import torch
 
 from dwdp.runtime.composite import build_composite_plan
 from dwdp.runtime.plan import build_copy_plan
-from dwdp.runtime.transport.cuda import CudaTransport, _raw_bytes
+from dwdp.runtime.transport.cuda import CudaTransport
+from dwdp.runtime.transport.cuda_peers import raw_bytes
 from fake_cuda import FakeCudaApi, FakeDevice, FakeGroup
 from fake_cuda_vmm import HostBackedDriver
 from test_cuda_composite_transport import CASES, VmmGroup
@@ -62,7 +63,7 @@ def test_survivors_read_the_new_incarnation_and_never_the_dead_ones_mapping():
     slot = torch.empty(nbytes, dtype=torch.uint8)
     assert torch.equal(_slot_after(t0, plan, slot, group.device), _reference(plan, old, nbytes))
 
-    old_base = t0._peer_bases[VICTIM]
+    old_base = t0.mapper.peer_bases[VICTIM]
     t0.forget_peer(VICTIM)
     group.device.run()
     t0._unmap_landed()
@@ -132,7 +133,7 @@ def test_bad_rejoins_are_refused_naming_the_value():
 
 def test_handle_bytes_survive_the_boards_json():
     raw = bytes(range(64))
-    assert _raw_bytes(raw.hex()) == raw and _raw_bytes(raw) == raw
+    assert raw_bytes(raw.hex()) == raw and raw_bytes(raw) == raw
 
 
 def _fds() -> set[int]:
@@ -149,9 +150,10 @@ def test_vmm_posix_fd_export_outlives_seal_for_the_board_and_a_new_import_is_rea
     boards = [_board(x.board_handle()) for x in t]
     group.open()
     for r, x in enumerate(t):
-        assert x._exported_fds and set(x._exported_fds) <= _fds(), f"rank {r} closed the exports the board names"
+        exported = x.mapper.exported_fds
+        assert exported and set(exported) <= _fds(), f"rank {r} closed the exports the board names"
 
-    survivor, dead_range = t[0], t[0]._peer_ranges[VICTIM]
+    survivor, dead_range = t[0], t[0].mapper.peer_ranges[VICTIM]
     survivor.forget_peer(VICTIM)
     group.device.run()
     survivor._unmap_landed()
@@ -170,17 +172,17 @@ def test_vmm_posix_fd_export_outlives_seal_for_the_board_and_a_new_import_is_rea
     handle = _board(new.board_handle())
     new.open([boards[0], handle, boards[2]])
     new.seal()
-    assert set(new._exported_fds) <= _fds(), "the replacement closed the exports its board entry names"
+    assert set(new.mapper.exported_fds) <= _fds(), "the replacement closed the exports its board entry names"
 
     survivor.open_peer(VICTIM, handle)
-    assert survivor._peer_ranges[VICTIM].ptr != dead_range.ptr
+    assert survivor.mapper.peer_ranges[VICTIM].ptr != dead_range.ptr
     for layer in range(group.num_layers):
         plan = build_composite_plan(group.layouts, 0, layer, group.slice_bytes)
         assert VICTIM in plan.peers
         group.prefetch(0, layer)
         for k in range(len(group.nbytes)):
             assert torch.equal(group.view_bytes(0, layer, k), group.stacked[layer][k]), (layer, k)
-    fds = set(new._exported_fds)
+    fds = set(new.mapper.exported_fds)
     new.close()
     assert not fds & _fds(), "close left the board's exports open"
     group.close()

@@ -340,7 +340,7 @@ def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monk
     rendezvous handle's buffer pointers (no IPC handle is exported or opened)."""
     import types
 
-    from dwdp.runtime.transport import cuda as cuda_module
+    from dwdp.runtime.transport import cuda_symmetric
     from dwdp.runtime.transport.cuda import CudaTransport
     from fake_cuda import FakeCudaApi, FakeDevice
 
@@ -352,7 +352,7 @@ def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monk
         return types.SimpleNamespace(buffer_ptrs=[segments[r].data_ptr() for r in range(size)])
 
     symm = types.SimpleNamespace(empty=lambda n, dtype, device: torch.empty(n, dtype=dtype), rendezvous=rendezvous)
-    monkeypatch.setattr(cuda_module, "_symmetric_memory_module", lambda: symm)
+    monkeypatch.setattr(cuda_symmetric, "_symmetric_memory_module", lambda: symm)
     transports = [CudaTransport(r, "cpu", mapping="symmetric_memory", process_group="pg",
                                 api=FakeCudaApi(device, r)) for r in range(size)]
     for r, t in enumerate(transports):
@@ -377,7 +377,7 @@ def test_symmetric_memory_mapping_reads_peers_through_their_buffer_pointers(monk
 def test_symmetric_memory_without_torch_support_is_a_clear_error(monkeypatch):
     import sys
 
-    from dwdp.runtime.transport.cuda import _symmetric_memory_module
+    from dwdp.runtime.transport.cuda_symmetric import _symmetric_memory_module
 
     monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # import -> ImportError
     monkeypatch.delattr(torch.distributed, "_symmetric_memory", raising=False)  # an earlier import's attribute

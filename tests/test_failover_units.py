@@ -403,7 +403,7 @@ def test_cuda_fault_hook_re_plans_and_unmaps_the_lost_peer_after_its_copies():
     read = [s for r, n, a in group.device.calls[start:] if r == rank and n == "memcpy_prepared_batch"
             for s in a[0].srcs]
     assert read and not any(lo <= s < hi for s in read), "a copy from the faulty peer was enqueued"
-    bases = dict(transport._peer_bases)
+    bases = dict(transport.mapper.peer_bases)
     closes = [a[0] for r, n, a in group.device.calls if r == rank and n == "ipc_close"]
     assert closes == [bases[victim]], f"the lost peer's mapping was not closed once after its fence: {closes}"
     group.close()

@@ -6,21 +6,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-BACKENDS = ("auto", "host", "cuda")
+from dwdp.runtime.transport.registry import TRANSPORTS, backend_names, transport_class
+
 EXPERTS_KERNELS = ("auto", "composite", "reference", "triton", "triton_fp8")
 CUDA_COPIES = ("batch", "memcpy")
 CUDA_MAPPINGS = ("auto", "vmm", "ipc", "symmetric_memory")
 EXPERT_BIASES = ("auto", "replicate", "move")
-
-# slice_bytes when the config names none, per backend. host: 1 MiB (the design's default; the CPU
-# sweeps in bench/README.md ran with it). cuda: 4 MiB. One cuda.bindings batch call costs the host
-# about 5.6 us per copy on the H100 measured (bench/results/h100_submit_cost_ed3ed31.json), whatever
-# the copy's size and link, so a rank cannot issue 1 MiB slices faster than ~190 GB/s, under the
-# ~370-397 GB/s a copy engine moves one way over NVLink 4 (nvbandwidth, NCCL issue #1264); 4 MiB
-# slices issue at ~750 GB/s. Slices of one peer that follow each other go out as one copy anyway
-# (dwdp.runtime.plan.coalesce): this only matters where several peers alternate. `dwdp tune` on the node
-# measures it.
-DEFAULT_SLICE_BYTES = {"host": 1 << 20, "cuda": 4 << 20}
+# The backends ("auto" and the registered ones) and their default slice sizes:
+# dwdp.runtime.transport.registry.
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -41,9 +34,10 @@ class DWDPConfig:
     expert_replicas: ranks that must own every expert (1 = no redundancy); 2 lets the group lose
         any one rank and keep serving every expert (dwdp.runtime.failover).
     slice_bytes: size of one copy slice; transfers are cut into slices issued round-robin over peers
-        (None: DEFAULT_SLICE_BYTES of the backend, see `slice_bytes_for`).
+        (None: the backend's default_slice_bytes, see `slice_bytes_for`).
     num_buffers: prefetch slots (double buffering = 2); at least 2 so copy and compute overlap.
-    backend: transport backend, "auto" picks "cuda" for CUDA models and "host" otherwise.
+    backend: transport backend, a name of dwdp.runtime.transport.registry ("host", "cuda"), or "auto":
+        the backend registered for the model's device type (cuda for CUDA models, host otherwise).
     wait_timeout_s: longest a rank waits for one layer's prefetch before raising.
     peer_timeout_s: a copy from a peer still outstanding after this long makes the rank read that
         peer's liveness record (a lost peer is planned around, the copy retried elsewhere); a peer
@@ -103,8 +97,8 @@ class DWDPConfig:
             _check_int("slice_bytes", self.slice_bytes, 1, 1 << 34)
         _check_int("num_buffers", self.num_buffers, 2, 64)
         _check_int("inflight", self.inflight, 1, 64)
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend={self.backend!r} is not one of {BACKENDS}")
+        if self.backend != "auto" and self.backend not in TRANSPORTS:
+            raise ValueError(f"backend={self.backend!r} is not one of {('auto', *backend_names())}")
         if self.experts_kernel not in EXPERTS_KERNELS:
             raise ValueError(f"experts_kernel={self.experts_kernel!r} is not one of {EXPERTS_KERNELS}")
         if self.cuda_copy not in CUDA_COPIES:
@@ -120,12 +114,12 @@ class DWDPConfig:
                 raise ValueError(f"{name}={timeout!r} must be a finite number of seconds > 0")
 
     def slice_bytes_for(self, backend: str) -> int:
-        """The slice size a group on `backend` ('host' or 'cuda') copies with."""
+        """The slice size a group on `backend` (a registered backend, not 'auto') copies with."""
         if self.slice_bytes is not None:
             return self.slice_bytes
-        if backend not in DEFAULT_SLICE_BYTES:
-            raise ValueError(f"backend={backend!r} has no default slice size; expected one of {sorted(DEFAULT_SLICE_BYTES)}")
-        return DEFAULT_SLICE_BYTES[backend]
+        if backend not in TRANSPORTS:
+            raise ValueError(f"backend={backend!r} has no default slice size; expected one of {backend_names()}")
+        return transport_class(backend).default_slice_bytes
 
     def replace(self, **changes) -> "DWDPConfig":
         return dataclasses.replace(self, **changes)

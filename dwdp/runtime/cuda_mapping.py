@@ -1,7 +1,7 @@
 """Which mapping a cuda group uses for its peers' segments: settled once at setup by the group (one
 all-gather, a second pair of rounds for a fabric trial), read from the board by a rank that rejoins.
 
-Mappings (dwdp.runtime.transport.cuda): "vmm-fabric" and "vmm-posix-fd" (cuMem allocations, composite
+Mappings (dwdp.runtime.transport.cuda, PEER_MAPPINGS): "vmm-fabric" and "vmm-posix-fd" (cuMem allocations, composite
 views), "ipc" (CUDA IPC, the multi-buffer experts path), "symmetric_memory" (across hosts).
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ def settle_cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, d
     NVL72 trays), POSIX fds when all ranks export and share this host, else CUDA IPC on one host and
     symmetric memory across hosts.
     """
-    from dwdp.runtime.transport import cuda as cuda_transport
+    from dwdp.runtime.transport import cuda_vmm_peers
 
     if requested not in ("auto", "vmm"):
         return requested
@@ -35,11 +35,11 @@ def settle_cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, d
         return mapping_on_board(group)
     local = "ipc"
     if experts_kernel in ("auto", "composite"):
-        local = cuda_transport.local_vmm_mapping(group.rank, device)
+        local = cuda_vmm_peers.local_vmm_mapping(group.rank, device)
     answers = group.all_gather_object((socket.gethostname(), local))
     hosts, choices = {h for h, _ in answers}, {c for _, c in answers}
     if choices == {"vmm-fabric"}:
-        refusals = cuda_transport.fabric_import_refusals(group.rank, device, group.all_gather_object)
+        refusals = cuda_vmm_peers.fabric_import_refusals(group.rank, device, group.all_gather_object)
         if not refusals:
             return "vmm-fabric"
         log.warning("rank %d: fabric handles do not cross the group (%s); falling back to %s", group.rank,

@@ -33,7 +33,7 @@ from dwdp.runtime.liveness import LivenessRecord, PeerLiveness, close_records, e
 from dwdp.runtime.placement import build_placement
 from dwdp.runtime.prefetch import Prefetcher
 from dwdp.runtime.rejoin import PeerEntries, live_owner_of_each, peer_source
-from dwdp.runtime.transport import make_transport, resolve_backend
+from dwdp.runtime.transport import make_transport, resolve_backend, transport_class
 from dwdp.runtime.wrapping import ModelWrapper, dense_bytes, dense_checksum
 
 log = logging.getLogger("dwdp")
@@ -175,7 +175,7 @@ class DWDPModel(ModelWrapper):
         record, liveness, lost_at_start = self._share_experts(board, expert_source)
         self.views, self.experts_kernel = self.path.views, self.path.kernel
         self._prefetch(record, liveness, board, lost_at_start, device)
-        self._attach_hooks(backend, trace or envs.trace_dir())
+        self._attach_hooks(trace or envs.trace_dir())
         self.memory = self._memory_report()
         log.info("rank %d/%d: %s backend, %s, biases %s, %s", group.rank, group.size, backend, self.path.describe(),
                  self.expert_biases, self.memory)
@@ -184,7 +184,7 @@ class DWDPModel(ModelWrapper):
     def _open_transport(self, backend: str, config: DWDPConfig, group: DWDPGroup, device: torch.device):
         """This rank's transport; on cuda, with the peer mapping its group settles on."""
         mapping = settle_cuda_mapping(config.cuda_mapping, config.experts_kernel, group, device) \
-            if backend == "cuda" else "ipc"
+            if transport_class(backend).settles_cuda_mapping else None
         transport = make_transport(backend, group.rank, config, device=device, mapping=mapping,
                                    process_group=group.process_group)
         self._finalizer = weakref.finalize(self, transport.close)
@@ -276,13 +276,13 @@ class DWDPModel(ModelWrapper):
         order = table_order(path, plans)
         path.install(self.model, self.prefetcher, position_table(path, order, buffers[0].device), order, buffers)
 
-    def _attach_hooks(self, backend: str, trace: str | None) -> None:
-        """Forward hooks: the prefetcher's forward start and end, NVTX ranges on cuda, and, with a trace
-        directory, this rank's trace recorder."""
+    def _attach_hooks(self, trace: str | None) -> None:
+        """Forward hooks: the prefetcher's forward start and end, NVTX ranges where the transport asks for
+        them (cuda), and, with a trace directory, this rank's trace recorder."""
         model, layers = self.model, self.experts_layers
         self._hooks = [model.register_forward_pre_hook(lambda *_: self.prefetcher.start_forward()),
                        model.register_forward_hook(lambda *_: self.prefetcher.end_forward())]
-        if backend == "cuda":
+        if self.transport.nvtx_ranges:
             self.prefetcher.nvtx = NvtxRanges()
             self._hooks += attach_nvtx_hooks(model, self.prefetcher.nvtx, [layer.name for layer in layers])
         self.recorder = None

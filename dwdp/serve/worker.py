@@ -328,8 +328,9 @@ def build_worker_model(config: ServeConfig, rank: int):
 
     device = rank_device(config.device, rank)
     dtype = model_dtype(config.device, config.dtype)
-    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="cuda" if device.type == "cuda" else "host",
-                             expert_replicas=config.expert_replicas, peer_timeout_s=config.peer_timeout_s)
+    # backend "auto": the one registered for the model's device (cuda on a GPU, host on the CPU).
+    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, expert_replicas=config.expert_replicas,
+                             peer_timeout_s=config.peer_timeout_s)
     group = init_group()
     if config.model is not None:
         model = DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group, dtype=dtype, device=device)

@@ -3,7 +3,7 @@
 Legend: s = slice_bytes, b = copy_batches, B = bytes of one layer's copy plan for rank 0.
 
 Measuring (on the machine the model will run on, with the backend it will use):
-  * host: HostTransport copies, every rank's segment in this process;
+  * host (any backend whose copies run on the CPU): its transports' copies, every rank's segment in this process;
   * cuda: CudaTransport copies of rank 0 of a group held by this process (mapping="process"): the
     peers' segments on GPUs 1, 2, ... when the node has them (their link: NVLink or PCIe), else on
     the same GPU (copies inside one device's memory, which says nothing about NVLink). Each point is
@@ -98,15 +98,19 @@ def _layout(num_experts: int, group_size: int, expert_bytes: int, cap_bytes: int
 
 def measure_host_copies(num_experts: int, group_size: int, expert_bytes: int, slice_sizes: list[int], inflight: int,
                         repeats: int = 3, cap_bytes: int = 256 * MIB,
-                        batch_counts: tuple[int, ...] = (4,)) -> list[CopyMeasurement]:
-    """Time one layer's sliced copy plan of rank 0 through host transports, per slice size and batch count."""
+                        batch_counts: tuple[int, ...] = (4,), backend: str = "host") -> list[CopyMeasurement]:
+    """Time one layer's sliced copy plan of rank 0 through `backend`'s transports (a backend whose
+    segments live in host memory), per slice size and batch count."""
     from dwdp.observe.timing import time_fn
-    from dwdp.runtime.transport.host import HostTransport, connect_in_process
+    from dwdp.runtime.config import DWDPConfig
+    from dwdp.runtime.transport import connect_in_process, transport_class
 
     placement, layout = _layout(num_experts, group_size, expert_bytes, cap_bytes)
+    cls = transport_class(backend)
     out = []
     for batches in batch_counts:
-        transports = [HostTransport(r, inflight=inflight, copy_batches=batches) for r in range(group_size)]
+        config = DWDPConfig(backend=backend, inflight=inflight, copy_batches=batches)
+        transports = [cls.from_config(r, config) for r in range(group_size)]
         try:
             for r, t in enumerate(transports):
                 t.alloc_segment(layout.total_nbytes).fill_(r + 1)

@@ -24,14 +24,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from dwdp.runtime.config import DWDPConfig
+from dwdp.runtime.transport.registry import auto_backend, transport_class
 from dwdp.tune.copies import CopyMeasurement, choose_copy_settings, measure_cuda_copies, measure_host_copies
 from dwdp.predict.costmodel.timeline import uniform_layers_wait
 from dwdp.observe.timing import time_fn
 
 __all__ = ["CopyMeasurement", "Recommendation", "recommend", "run_tune"]
 
-# Candidates measured when the command line names none: (slice sizes, batch counts) per backend.
-TUNE_DEFAULTS = {"host": ("65536,262144,1048576,4194304", "4"),
+# Candidates measured when the command line names none: (slice sizes, batch counts) per device type of
+# the backend's copies (`copy_device`).
+TUNE_DEFAULTS = {"cpu": ("65536,262144,1048576,4194304", "4"),
                  "cuda": ("262144,1048576,2097152,4194304,8388608,16777216", "1,2,4,8")}
 
 MIB = 1 << 20
@@ -101,10 +103,21 @@ def _config_dtype(model_config) -> torch.dtype:
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
+def copy_device(backend: str) -> str:
+    """The device type whose copies `dwdp tune` measures for a registered backend: "cuda" (copy engines,
+    dwdp.tune.copies.measure_cuda_copies) or "cpu" (the backend's own transports in this process)."""
+    return transport_class(backend).device_types[0]
+
+
+def tune_candidates(backend: str) -> tuple[str, str]:
+    """The (slice sizes, batch counts) measured for `backend` when the command line names none."""
+    return TUNE_DEFAULTS[copy_device(backend)]
+
+
 def default_memory_budget(group_size: int, backend: str = "host") -> int:
     """80 % of the memory available now to one rank: host memory shared by the `group_size` ranks of
     this host, or on cuda the free memory of GPU 0 shared by the ranks that land on each GPU."""
-    if backend == "cuda":
+    if copy_device(backend) == "cuda":
         free, _total = torch.cuda.mem_get_info(0)
         return int(0.8 * free / math.ceil(group_size / torch.cuda.device_count()))
     with open("/proc/meminfo") as f:
@@ -161,14 +174,13 @@ def report(copies: list[CopyMeasurement], rec: Recommendation, device: str = "cp
 
 
 def resolve_tune_backend(backend: str) -> str:
-    """auto: cuda when this machine has a usable CUDA device, host otherwise."""
-    if backend not in ("auto", "host", "cuda"):
-        raise ValueError(f"backend={backend!r} must be 'auto', 'host' or 'cuda'")
+    """auto: the backend registered for CUDA models when this machine has a usable CUDA device (cuda),
+    for CPU models otherwise (host); any other name must be registered (ValueError naming them)."""
     if backend == "auto":
         from dwdp.runtime.transport import cuda_api
 
-        return "cuda" if torch.cuda.is_available() and cuda_api.probe().usable else "host"
-    return backend
+        return auto_backend("cuda" if torch.cuda.is_available() and cuda_api.probe().usable else "cpu")
+    return transport_class(backend).name
 
 
 def run_tune(model_config, group_size: int, max_num_tokens: int, slice_sizes: list[int], inflight: int,
@@ -177,7 +189,8 @@ def run_tune(model_config, group_size: int, max_num_tokens: int, slice_sizes: li
     """Measure, recommend, print a table and write the recommended DWDPConfig to `out`."""
     num_experts, expert_bytes, num_moe_layers, dense = expert_geometry(model_config)
     where = None
-    if backend == "cuda":
+    on_cuda = copy_device(backend) == "cuda"
+    if on_cuda:
         copies, where = measure_cuda_copies(num_experts, group_size, expert_bytes, slice_sizes, batch_counts, repeats)
         t_compute = measure_layer_compute(model_config, max_num_tokens, repeats, device="cuda")
         from dwdp.observe.timing import device_tag
@@ -186,20 +199,20 @@ def run_tune(model_config, group_size: int, max_num_tokens: int, slice_sizes: li
     else:
         torch.set_num_threads(1)  # one rank's share of a host that runs `group_size` ranks
         copies = measure_host_copies(num_experts, group_size, expert_bytes, slice_sizes, inflight, repeats,
-                                     batch_counts=batch_counts)
+                                     batch_counts=batch_counts, backend=backend)
         t_compute = measure_layer_compute(model_config, max_num_tokens, repeats)
         device = "cpu"
     budget = memory_budget or default_memory_budget(group_size, backend)
     rec = recommend(num_experts, expert_bytes, num_moe_layers, group_size, dense, copies, t_compute, budget, inflight,
                     backend)
     rec.config.to_json(out)
-    if backend == "cuda":
+    if on_cuda:
         per_copy = where["per_copy"]
         print(f"copy bandwidth (cuda backend, {where['link']}; one more copy in a batch costs "
               f"{per_copy['host_issue_us_per_copy']:.2f} us on the host and {per_copy['landed_us_per_copy']:.2f} us "
               f"until landed, {per_copy['copy_bytes'] // 1024} KiB copies):")
     else:
-        print(f"copy bandwidth (host backend, {os.cpu_count()} CPU cores, {inflight} copier threads):")
+        print(f"copy bandwidth ({backend} backend, {os.cpu_count()} CPU cores, {inflight} copier threads):")
     print(f"{'slice':>10}  {'batches':>7}  {'copies':>6}  {'MiB/plan':>9}  {'ms/plan':>8}  {'issue ms':>8}  {'GB/s':>7}")
     for c in copies:
         print(f"{c.slice_bytes:>10}  {c.copy_batches:>7}  {c.copies:>6}  {c.bytes_per_plan / MIB:>9.2f}  "

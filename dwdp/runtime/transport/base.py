@@ -204,21 +204,82 @@ class Transport(ABC):
     exchange handles once through torch.distributed, `open(handles)`, barrier, `seal`.
     Per layer: `submit` a plan into a slot, the compute waits on its ticket, reads the slot, and
     calls `release_slot` once every read of the slot has been issued.
+
+    Everything the runtime, serve, tune and the benchmarks use of a transport is declared here
+    (tests/test_layout.py checks it). Implemented by: host (HostTransport, dwdp.runtime.transport.host)
+    and cuda (CudaTransport, dwdp.runtime.transport.cuda); "both" below means both of them, "default"
+    that the method here is the answer of a backend that does not override it. Sizes are in bytes,
+    peers and ranks are indices in the DWDP group.
+
+    The class attributes under "registry" say what dwdp.runtime.transport.registry needs to list a
+    backend; `from_config` builds one.
     """
 
-    name: str
-    rank: int
-    faulty_peers: Mapping[int, str] = MappingProxyType({})  # peer -> why copies from it fail (fault hook)
+    # -- registry (dwdp.runtime.transport.registry) -------------------------------------------------
+    name: str                           # the backend's name: DWDPConfig.backend, `dwdp tune --backend`, handles
+    device_types: tuple[str, ...] = ()  # torch device types of the models it serves ("cpu", "cuda")
+    auto_for: tuple[str, ...] = ()      # device types backend="auto" picks it for (one backend per type)
+    default_slice_bytes: int            # DWDPConfig.slice_bytes when the config names none
+    settles_cuda_mapping = False        # True: the group settles a CUDA peer mapping first (runtime.cuda_mapping)
+    nvtx_ranges = False                 # True: DWDPModel marks layers with NVTX ranges (copies show in Nsight)
 
+    # -- state every backend has ---------------------------------------------------------------------
+    rank: int                                                # this rank's index in the DWDP group
+    faulty_peers: Mapping[int, str] = MappingProxyType({})  # peer -> why copies from it fail (fault hook)
+    # A dwdp.observe.tracing.TraceRecorder that DWDPModel sets while tracing: host traces each copy slice
+    # on it, cuda leaves copies to NVTX / Nsight.
+    recorder = None
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, rank: int, config, *, device=None, mapping: str | None = None,
+                    process_group=None) -> "Transport":
+        """This backend's transport for `rank`, set up from a DWDPConfig `config`. device: the model's
+        torch device; mapping: the peer mapping the group settled on (cuda: dwdp.runtime.cuda_mapping;
+        None where `settles_cuda_mapping` is False); process_group: the DWDP group's (cuda's
+        symmetric memory rendezvous). Both."""
+
+    # -- setup, in the order DWDPModel runs it -------------------------------------------------------
     @abstractmethod
     def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
         """This rank's source segment: uint8 [nbytes] that peers can read. allocations: the sizes of the
         pieces it is made of (CompositeLayout.segment_allocations); a backend that maps allocations only
-        whole (cuMem) makes one allocation per piece, one that maps files at offsets may ignore it."""
+        whole (cuMem) makes one allocation per piece, one that maps files at offsets may ignore it. Both."""
 
-    # -- composite views (dwdp.runtime.composite): backends that can map pages build them --------
+    @abstractmethod
+    def register(self) -> dict:
+        """A picklable handle peers pass to `open` ({"backend": name, "rank", "nbytes", ...}); the
+        segment's fill must be complete. Both."""
+
+    @abstractmethod
+    def open(self, handles: list[dict | None]) -> None:
+        """Map every peer's segment; `handles[r]` comes from rank r of the group (None: a peer lost
+        before this rank joined, where `can_rejoin`). Both."""
+
+    @abstractmethod
+    def seal(self) -> None:
+        """Called once all peers opened this rank's segment: drop names that could leak. Both."""
+
+    @property
+    def can_rejoin(self) -> bool:
+        """Whether a process started later can open this rank's segment (board_handle / open_peer).
+        host: always; cuda: with mappings "ipc", "vmm-posix-fd", "vmm-fabric"; default: never."""
+        return False
+
+    def board_handle(self) -> dict:
+        """A JSON-able handle a process started later can open (a rank rejoining the group: see
+        dwdp.runtime.board); before seal. host, cuda (rejoinable mappings); default refuses."""
+        raise ValueError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
+
+    def describe_mapping(self) -> str:
+        """How this rank's segment and its peers' are mapped, for the setup's log line. host, cuda;
+        default: the backend's name."""
+        return self.name
+
+    # -- composite views (dwdp.runtime.composite): backends that can map pages build them ----------
     def composite_unavailable(self) -> str | None:
-        """Why this transport cannot build composite views (None when it can)."""
+        """Why this transport cannot build composite views (None when it can). host (Linux), cuda (VMM
+        mappings); default: never can."""
         return f"the {self.name} backend builds no composite views"
 
     def granularity(self) -> int:
@@ -229,41 +290,30 @@ class Transport(ABC):
         """This rank's composite views of `layout` over its segment (alloc_segment first, with the
         layout's allocations): an object with `layer_range(layer)` (uint8 [layer_nbytes], the
         destination of the layer's composite copy plan) and `view(layer, tensor, dtype, shape)` (the
-        [E, ...] tensor). Closed with the transport."""
+        [E, ...] tensor). Closed with the transport. host, cuda (VMM mappings)."""
         raise ValueError(self.composite_unavailable() or f"the {self.name} backend builds no composite views")
 
-    def describe_mapping(self) -> str:
-        """How this rank's segment and its peers' are mapped, for the setup's log line."""
-        return self.name
-
-    def peer_segment(self, peer: int) -> torch.Tensor:
-        """`peer`'s mapped segment, uint8 [nbytes] on this rank's device, never a copy (a rejoining rank
-        copies its experts out of it)."""
-        raise ValueError(f"the {self.name} backend does not expose peers' segments")
-
-    @abstractmethod
-    def register(self) -> dict:
-        """A picklable handle peers pass to `open`."""
-
-    @abstractmethod
-    def open(self, handles: list[dict]) -> None:
-        """Map every peer's segment; `handles[r]` comes from rank r of the group."""
-
-    @abstractmethod
-    def seal(self) -> None:
-        """Called once all peers opened this rank's segment: drop names that could leak."""
-
+    # -- per layer -----------------------------------------------------------------------------------
     @abstractmethod
     def alloc_slot(self, nbytes: int) -> torch.Tensor:
-        """A private uint8 [nbytes] prefetch buffer."""
+        """A private uint8 [nbytes] prefetch buffer on this rank's device. Both."""
 
     @abstractmethod
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> Ticket:
-        """Start copying `plan` into `slot_buffer`; returns at once."""
+        """Start copying `plan` into `slot_buffer` (contiguous uint8); returns at once with a ticket
+        (host: Ticket; cuda: CudaTicket, which makes the compute stream wait instead of the host).
+        Both."""
 
+    def release_slot(self, slot: int) -> None:
+        """Compute has issued its last read of prefetch slot `slot`. cuda records the slot's consume
+        event here, and the next copy into the slot waits on it; host (default) reads synchronously,
+        so nothing is left to order."""
+
+    # -- lost and rejoining peers (dwdp.runtime.failover) ------------------------------------------
     def fail_copies_from(self, peer: int, reason: str = "injected fault") -> None:
         """Fault hook: from now on every copy from `peer` fails, naming it, as if its memory had
-        become unreadable (a device lost). Chaos tests and `dwdp serve --fault-injection` use it."""
+        become unreadable (a device lost). Chaos tests and `dwdp serve --fault-injection` use it. Both
+        (this default: `faulty_peers`, read by the backends' copies through `_check_readable`)."""
         self.faulty_peers = MappingProxyType({**self.faulty_peers, peer: reason})
 
     def _check_readable(self, peer: int) -> None:
@@ -274,26 +324,19 @@ class Transport(ABC):
     @abstractmethod
     def forget_peer(self, peer: int) -> None:
         """`peer` was lost and no plan reads it any more: drop its mapping once no copy in flight
-        reads it, so its memory goes with the last survivor that read it."""
-
-    @property
-    def can_rejoin(self) -> bool:
-        """Whether a process started later can open this rank's segment (board_handle / open_peer)."""
-        return False
-
-    def board_handle(self) -> dict:
-        """A handle a process started later can open (a rank rejoining the group): see dwdp.runtime.board."""
-        raise ValueError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
+        reads it, so its memory goes with the last survivor that read it. Both."""
 
     def open_peer(self, peer: int, handle: dict) -> None:
-        """Map the segment of a new incarnation of the forgotten peer `peer` (it rejoined)."""
+        """Map the segment of a new incarnation of the forgotten peer `peer` (it rejoined; `handle`: its
+        board_handle). host, cuda (rejoinable mappings); default refuses."""
         raise ValueError(f"the {self.name} backend cannot be rejoined: a lost rank stays lost")
 
-    def release_slot(self, slot: int) -> None:
-        """Compute has issued its last read of prefetch slot `slot`. A device backend records the
-        slot's consume event here, and the next copy into the slot waits on it; the host backend
-        reads synchronously, so nothing is left to order."""
+    def peer_segment(self, peer: int) -> torch.Tensor:
+        """`peer`'s mapped segment, uint8 [nbytes] on this rank's device, never a copy (a rejoining rank
+        copies its experts out of it). host, cuda; default refuses."""
+        raise ValueError(f"the {self.name} backend does not expose peers' segments")
 
+    # -- teardown ------------------------------------------------------------------------------------
     @abstractmethod
     def close(self) -> None:
-        """Stop copiers and release every mapping; idempotent."""
+        """Stop copiers and release every mapping; idempotent. Both."""

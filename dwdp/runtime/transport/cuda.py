@@ -1,8 +1,11 @@
 """CUDA backend: peers' segments mapped into this process, copy-engine copies on a copy stream.
 
 Setup: each rank's local experts live in one device buffer (its segment). The rank exports it
-once (CUDA IPC on one node, or torch's symmetric memory across nodes), every peer maps it, and a
-rank reads its own segment through its own pointer (opening one's own IPC handle fails).
+once and every peer maps it; how is the job of one PeerMapping chosen at construction
+(dwdp.runtime.transport.cuda_peers): "ipc" (CUDA IPC on one node, cuda_ipc), "vmm-posix-fd" and
+"vmm-fabric" (cuMem allocations, what composite views need, cuda_vmm_peers), "symmetric_memory"
+(torch's symmetric memory across nodes, cuda_symmetric) or "process" (every rank in this process,
+cuda_process). A rank reads its own segment through its own pointer. This module is the copy side.
 
 Per layer, everything is ordered by events and the host never waits:
   compute stream:  ... kernels reading slot s ... record consume[s]        (release_slot)
@@ -17,28 +20,17 @@ expert -> batch map and the batch events of a (plan, slot buffer) are built on i
 and reused, so a later submit does no per-slice work on the host. Host waits (drain, close) poll
 the events against a deadline and name the peers still outstanding.
 
+A lost peer's mapping is retired behind a fence on the copy stream and released once the copies
+already enqueued from it have run. `close` waits for the copy stream and, where kernels read memory
+the mapping unmaps (composite views, a cuMem segment), the compute stream, then releases every
+mapping in the reverse of setup.
+
 Every device call goes through `api` (dwdp.runtime.transport.cuda_api by default), so tests drive this
 control logic with a recording fake on a CPU.
-
-VMM mappings ("vmm-posix-fd" ran on one H200, 2026-11-27; "vmm-fabric" not yet run on a GPU): the segment is a list
-of cuMemCreate allocations (one per local extent of each layer and tensor in composite mode, else
-one), exportable as POSIX fds or fabric handles, mapped whole and back to back into one range with one
-cuMemSetAccess; `register` exports every allocation (POSIX fds: the exporter's pid, PID namespace and
-fd numbers travel in the handle, beside the name of an abstract Unix socket that always serves the same
-fds until seal; fabric: the 64 bytes of each handle). `open` takes each peer's fds (pidfd_getfd, or the
-socket where seccomp, Yama or another PID namespace refuses it: one log line says which per peer),
-imports each allocation, closes its fd, and maps the imports back to back into one range, so a plan
-reads a peer's segment at the same offsets as the peer itself. `composite_views` builds the rank's
-composite views (dwdp.runtime.transport.cuda_vmm) over the segment's allocations, and copy plans write
-into the views' pool gaps and boundary pages. `seal` closes the exported fds (every peer holds its own
-import by then); `close` waits for the copy stream and the compute stream, then unmaps and releases the
-views, the peers' imports and the segment, in the reverse of setup. The driver calls go through
-`driver` (cuda.bindings.driver by default, tests/fake_cuda_vmm.py in tests).
 """
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Mapping
@@ -50,34 +42,20 @@ import torch
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
-from dwdp.runtime.transport.cuda_vmm import (SCM_MAX_FD, CudaCompositeViews, FdServer, Vmm, choose_mapping,
-                                              ensure_fd_room, is_power_of_two, pid_namespace, take_fds)
+from dwdp.runtime.transport.cuda_ipc import IpcMapping
+from dwdp.runtime.transport.cuda_peers import PeerMapping
+from dwdp.runtime.transport.cuda_process import ProcessMapping
+from dwdp.runtime.transport.cuda_symmetric import SymmetricMapping
+from dwdp.runtime.transport.cuda_vmm_peers import VMM_MAPPINGS, VmmMapping
 
 log = logging.getLogger("dwdp")
 
-# Mapping -> the cuMem handle type its segments are exported as (composite views need one of these).
-VMM_MAPPINGS = MappingProxyType({"vmm-posix-fd": "posix_fd", "vmm-fabric": "fabric"})
+# Mapping name -> the PeerMapping that implements it.
+PEER_MAPPINGS: Mapping[str, type[PeerMapping]] = MappingProxyType({
+    "ipc": IpcMapping, "symmetric_memory": SymmetricMapping, "process": ProcessMapping,
+    **{name: VmmMapping for name in VMM_MAPPINGS}})
 # Mappings whose export a process started later can open (a rank rejoining the group through the board).
-REJOINABLE_MAPPINGS = ("ipc", "vmm-posix-fd", "vmm-fabric")
-
-
-def _raw_bytes(value: bytes | str) -> bytes:
-    """Handle bytes as exchanged at setup (bytes) or read from the board's JSON (hex)."""
-    return bytes.fromhex(value) if isinstance(value, str) else bytes(value)
-
-
-@dataclass(frozen=True)
-class _VmmRange:
-    """cuMem allocations `handles` (of `sizes` bytes) mapped whole, back to back, into one range of
-    their own at [ptr, ptr + nbytes): a rank's segment, or a peer's as imported here."""
-
-    handles: tuple
-    sizes: tuple[int, ...]
-    ptr: int
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.sizes)
+REJOINABLE_MAPPINGS = tuple(name for name, cls in PEER_MAPPINGS.items() if cls.rejoinable)
 
 
 @dataclass(frozen=True, eq=False)
@@ -226,63 +204,83 @@ class CudaTransport(Transport):
 
     rank: this rank's index in the DWDP group. device: the CUDA device of the model.
     copy: "batch" or "memcpy" (DWDPConfig.cuda_copy); copy_batches: most batches per plan.
-    mapping: "ipc", "symmetric_memory", "vmm-posix-fd" or "vmm-fabric" (cuMem allocations, needed by
-    composite views); process_group: needed by "symmetric_memory"; "process": every
-    rank of the group lives in this process (`dwdp tune`, tests), a peer's segment is read through
-    its own pointer (with peer access enabled between devices).
+    mapping: a name of PEER_MAPPINGS: "ipc", "symmetric_memory", "vmm-posix-fd" or "vmm-fabric" (cuMem
+    allocations, needed by composite views); process_group: needed by "symmetric_memory"; "process":
+    every rank of the group lives in this process (`dwdp tune`, tests), a peer's segment is read
+    through its own pointer (with peer access enabled between devices).
     prefer_overlap: the PreferOverlapWithCompute hint on batches. api: the cuda_api module or a fake;
     driver: cuda.bindings.driver or a fake of it (VMM mappings only).
     """
 
     name = "cuda"
+    device_types = auto_for = ("cuda",)
+    # One cuda.bindings batch call costs the host about 5.6 us per copy on the H100 measured
+    # (bench/results/h100_submit_cost_ed3ed31.json), whatever the copy's size and link, so a rank cannot
+    # issue 1 MiB slices faster than ~190 GB/s, under the ~370-397 GB/s a copy engine moves one way over
+    # NVLink 4 (nvbandwidth, NCCL issue #1264); 4 MiB slices issue at ~750 GB/s. Slices of one peer that
+    # follow each other go out as one copy anyway (dwdp.runtime.plan.coalesce): this only matters where
+    # several peers alternate. `dwdp tune` on the node measures it.
+    default_slice_bytes = 4 << 20
+    settles_cuda_mapping = True
+    nvtx_ranges = True
+
+    @classmethod
+    def from_config(cls, rank: int, config, *, device=None, mapping: str | None = None,
+                    process_group=None) -> "CudaTransport":
+        """cuda_copy, copy_batches and wait_timeout_s (the close deadline) from the DWDPConfig; mapping:
+        the one the group settled on (dwdp.runtime.cuda_mapping), "ipc" when None."""
+        return cls(rank, device, copy=config.cuda_copy, copy_batches=config.copy_batches,
+                   mapping=mapping if mapping is not None else "ipc", process_group=process_group,
+                   close_timeout_s=config.wait_timeout_s)
 
     def __init__(self, rank: int, device: torch.device | str | int = "cuda", *, copy: str = "batch",
                  copy_batches: int = 4, mapping: str = "ipc", process_group=None, prefer_overlap: bool = True,
                  close_timeout_s: float = 60.0, api=cuda_api, driver=None):
         if copy not in ("batch", "memcpy"):
             raise ValueError(f"copy={copy!r} must be 'batch' or 'memcpy'")
-        if mapping not in ("ipc", "symmetric_memory", "process", *VMM_MAPPINGS):
-            raise ValueError(f"mapping={mapping!r} must be 'ipc', 'symmetric_memory', 'process', "
-                             f"'vmm-posix-fd' or 'vmm-fabric'")
+        if mapping not in PEER_MAPPINGS:
+            raise ValueError(f"mapping={mapping!r} must be one of {tuple(PEER_MAPPINGS)}")
         self.api = api
         api.require()
         self.rank = rank
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
         if self.device.type == "cuda":
             api.set_device(self.device.index or 0)
-        self.mapping, self.process_group = mapping, process_group
+        self.mapping = mapping
         self.copy_batches, self.prefer_overlap, self.close_timeout_s = copy_batches, prefer_overlap, close_timeout_s
         self.copy = copy
         if copy == "batch" and not api.has_memcpy_batch():
             log.warning("rank %d: cudaMemcpyBatchAsync is not available (CUDA < 12.8); one cudaMemcpyAsync per slice",
                         rank)
             self.copy = "memcpy"
+        # How this rank's segment and its peers' are mapped: one object, chosen here once.
+        self.mapper = PEER_MAPPINGS[mapping](mapping, rank, self.device, api, driver=driver,
+                                             process_group=process_group)
         self._segment: torch.Tensor | None = None
-        self._symmetric = None
         self._peer_ptrs: list[int] = []
         self._peer_nbytes: list[int] = []
-        self._opened: list[int] = []           # IPC bases this rank opened, closed exactly once
-        self._peer_bases: dict[int, int] = {}  # peer -> the IPC base opened for it
         self._stream: int | None = None
         self._consume: dict[int, int] = {}      # slot -> consume event
         self._slot_events: dict[int, tuple[int, ...]] = {}  # slot -> one event per batch
         self._prepared_plans: dict[tuple[int, int, int], _PreparedPlan] = {}  # (layer, slot, slot ptr)
         self._forgotten: set[int] = set()        # lost peers no copy may read any more
-        # (IPC base or retired VMM import, fence event on the copy stream): released once the fence has run
-        self._unmap_after: list[tuple[int | _VmmRange, int]] = []
-        self._handle_type = VMM_MAPPINGS.get(mapping)
-        self._vmm = Vmm(self.device.index or 0, driver) if self._handle_type is not None else None
-        self._own_range: _VmmRange | None = None     # the segment's allocations, mapped for this rank
-        self._peer_ranges: dict[int, _VmmRange] = {}  # peer -> its imported allocations, mapped
-        self._exported_fds: list[int] = []            # the segment's POSIX fds, open until seal
-        self._fd_server: FdServer | None = None       # serves them over SCM_RIGHTS where pidfd_getfd is refused
-        self.fd_paths: dict[int, str] = {}            # peer -> how its fds came (pidfd_getfd or the socket, why)
+        # (a lost peer's mapping as the mapper retired it, fence event on the copy stream): released once
+        # the fence has run
+        self._unmap_after: list[tuple[object, int]] = []
         self._handle: dict | None = None              # what register() exported
         self._keep_export = False                     # board_handle() given: the export outlives seal
-        self.views: CudaCompositeViews | None = None
-        self._granularity: int | None = None
         self._closed = False
         self.recorder = None  # copy slices have no host lane on this backend: see NVTX / Nsight instead
+
+    @property
+    def fd_paths(self) -> dict[int, str]:
+        """peer -> how its POSIX fds came (pidfd_getfd, or the socket and why); VMM POSIX-fd mapping only."""
+        return self.mapper.fd_paths
+
+    @property
+    def views(self):
+        """This rank's composite views (CudaCompositeViews) once built; None otherwise."""
+        return self.mapper.views
 
     # -- setup ---------------------------------------------------------------------------------
     def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -291,82 +289,23 @@ class CudaTransport(Transport):
         multiple of the granularity; None: one allocation of nbytes rounded up to the granularity."""
         if self._segment is not None:
             raise RuntimeError(f"rank {self.rank}: segment already allocated")
-        if self._vmm is not None:
-            self._segment = self._alloc_vmm_segment(nbytes, allocations)
-        elif allocations is not None:
-            raise ValueError(f"rank {self.rank}: mapping={self.mapping!r} makes one allocation per segment; "
-                             "allocations= needs 'vmm-posix-fd' or 'vmm-fabric'")
-        elif self.mapping == "symmetric_memory":
-            symm = _symmetric_memory_module()
-            self._segment = symm.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
-        else:
-            self._segment = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
+        self._segment = self.mapper.alloc_segment(nbytes, allocations)
         return self._segment
 
     def composite_unavailable(self) -> str | None:
-        if self._vmm is not None:
-            return None
-        return (f"the cuda backend maps peers with {self.mapping!r}; composite views need cuMem allocations "
-                "(VMM export refused on some rank, or cuda_mapping set to another mapping)")
+        return self.mapper.composite_unavailable()
 
     def describe_mapping(self) -> str:
-        if self._vmm is None:
-            return f"peers through {self.mapping}"
-        return f"cuMemCreate segment + pool, peers through {self.mapping}, {self.granularity()} B granules"
+        return self.mapper.describe()
 
     def granularity(self) -> int:
         """The cuMem allocation granularity of this device for the segment's handle type (VMM only)."""
-        if self._vmm is None:
-            raise ValueError(f"rank {self.rank}: mapping={self.mapping!r} has no cuMem granularity; composite views "
-                             "need mapping 'vmm-posix-fd' or 'vmm-fabric'")
-        if self._granularity is None:
-            self._granularity = self._vmm.granularity(self._handle_type)
-        return self._granularity
+        return self.mapper.granularity()
 
-    def _alignment(self) -> int:
-        """Reservation alignment: the granularity where it is a power of two (the driver's rule), else
-        the driver's default."""
-        g = self.granularity()
-        return g if is_power_of_two(g) else 0
-
-    def _release_range(self, mapped: _VmmRange) -> None:
-        self._vmm.unmap_back_to_back(mapped.ptr, mapped.sizes)
-        for handle in reversed(mapped.handles):
-            self._vmm.release(handle)
-
-    def _alloc_vmm_segment(self, nbytes: int, allocations: tuple[int, ...] | None) -> torch.Tensor:
-        g = self.granularity()
-        sizes = (-(-max(nbytes, 1) // g) * g,) if allocations is None else tuple(int(n) for n in allocations)
-        if not sizes or any(n < 1 or n % g for n in sizes) or sum(sizes) < nbytes:
-            raise ValueError(f"rank {self.rank}: segment allocations {sizes} must be positive multiples of the "
-                             f"granularity {g} covering {nbytes} bytes")
-        handles = []
-        try:
-            for size in sizes:
-                handles.append(self._vmm.create(size, self._handle_type))
-            ptr = self._vmm.map_back_to_back(handles, sizes, self._alignment())
-        except BaseException:
-            for handle in reversed(handles):
-                self._vmm.release(handle)
-            raise
-        self._own_range = _VmmRange(tuple(handles), sizes, ptr)
-        return self.api.tensor_at(ptr, sum(sizes), self.device)[:nbytes]
-
-    def composite_views(self, layout) -> CudaCompositeViews:
+    def composite_views(self, layout):
         """This rank's composite views over its segment (see dwdp.runtime.transport.cuda_vmm); closed
         with the transport. Ran on one H200 with POSIX fds."""
-        if self._own_range is None:
-            raise RuntimeError(f"rank {self.rank}: composite_views() needs a VMM segment (mapping "
-                               f"{self.mapping!r}; alloc_segment first)")
-        if self.views is not None:
-            raise RuntimeError(f"rank {self.rank}: composite views already built")
-        want = tuple(a.nbytes for a in layout.segment_allocations)
-        if self._own_range.sizes != want:
-            raise ValueError(f"rank {self.rank}: the segment's allocations {self._own_range.sizes} are not the "
-                             f"layout's {want}: alloc_segment(layout.segment_nbytes, allocations=...) first")
-        self.views = CudaCompositeViews(layout, self._own_range.handles, self._vmm, self._handle_type,
-                                        tensor_at=lambda ptr, n: self.api.tensor_at(ptr, n, self.device))
-        return self.views
+        return self.mapper.composite_views(layout)
 
     def register(self) -> dict:
         if self._segment is None:
@@ -375,56 +314,25 @@ class CudaTransport(Transport):
         self.api.device_synchronize()
         handle = {"backend": self.name, "rank": self.rank, "mapping": self.mapping,
                   "nbytes": self._segment.numel(), "host": socket.gethostname(), "device": self.device.index or 0}
-        if self.mapping == "ipc":
-            handle["ipc"], handle["offset"] = self.api.ipc_export(self._segment.data_ptr())
-        elif self.mapping == "process":
-            handle["ptr"], handle["pid"] = self._segment.data_ptr(), os.getpid()
-        elif self._vmm is not None:
-            handle["allocations"], handle["granularity"] = list(self._own_range.sizes), self.granularity()
-            self._export_vmm(handle)
+        self.mapper.export(handle)
         self._handle = handle
         return handle
 
-    def _export_vmm(self, handle: dict) -> None:
-        """Export every segment allocation into `handle`: fabric bytes, or POSIX fds (open until seal,
-        served beside the export over a socket, for peers that pidfd_getfd cannot reach)."""
-        if self._handle_type == "fabric":
-            handle["fabric"] = [self._vmm.export(h, "fabric") for h in self._own_range.handles]
-            return
-        # Room for our exports, and for one socket message of a peer's while we import it.
-        ensure_fd_room(len(self._own_range.handles) + SCM_MAX_FD)
-        try:
-            for h in self._own_range.handles:
-                self._exported_fds.append(self._vmm.export(h, "posix_fd"))
-            name = f"dwdp-vmm-{os.getpid()}-{self.rank}-{self._exported_fds[0]}"
-            self._fd_server = FdServer(self._exported_fds, name)
-        except BaseException:
-            self.seal()
-            raise
-        handle.update(pid=os.getpid(), pid_ns=pid_namespace(), fds=list(self._exported_fds), socket=name)
-
-    def open(self, handles: list[dict]) -> None:
+    def open(self, handles: list[dict | None]) -> None:
         if self._peer_ptrs:
             raise RuntimeError(f"rank {self.rank}: open() called twice")
         missing = [r for r, handle in enumerate(handles) if handle is None and r != self.rank]
-        if missing and self.mapping not in REJOINABLE_MAPPINGS:
+        if missing and not self.mapper.rejoinable:
             raise ValueError(f"rank {self.rank}: peers {missing} have no segment handle; only mappings "
                              f"{REJOINABLE_MAPPINGS} open a group that lacks some of its ranks")
         for r, handle in enumerate(handles):
             if handle is not None:
                 self._check_handle(r, handle)
         try:
-            if self.mapping == "ipc":
-                ptrs = self._open_ipc(handles)
-            elif self.mapping == "process":
-                ptrs = self._open_process(handles)
-            elif self._vmm is not None:
-                ptrs = self._open_vmm(handles)
-            else:
-                ptrs = self._open_symmetric(handles)
+            ptrs = self.mapper.open(handles)
             self._stream = self.api.stream_create()
         except BaseException:
-            self._close_mappings()
+            self.mapper.close_peers()
             raise
         self._peer_ptrs = ptrs
         self._peer_nbytes = [int(h["nbytes"]) if h is not None else self._segment.numel() for h in handles]
@@ -438,98 +346,9 @@ class CudaTransport(Transport):
             raise ValueError(f"rank {self.rank}: peer {peer} uses backend {handle.get('backend')!r} with mapping "
                              f"{handle.get('mapping')!r}, expected 'cuda' with {self.mapping!r}")
 
-    def _open_ipc(self, handles: list[dict | None]) -> list[int]:
-        ptrs = []
-        for r, handle in enumerate(handles):
-            if r == self.rank:
-                ptrs.append(self._segment.data_ptr())  # one's own IPC handle cannot be opened
-            else:
-                ptrs.append(0 if handle is None else self._open_ipc_peer(r, handle))
-        return ptrs
-
-    def _open_ipc_peer(self, r: int, handle: dict) -> int:
-        try:
-            base = self.api.ipc_open(_raw_bytes(handle["ipc"]))
-        except (cuda_api.CudaError, ValueError) as exc:
-            raise PrefetchError(
-                f"rank {self.rank}: cannot map the segment of peer {r} (host {handle.get('host')}, device "
-                f"{handle.get('device')}): {exc}"
-            ) from exc
-        self._opened.append(base)
-        self._peer_bases[r] = base
-        return base + int(handle["offset"])
-
-    def _open_vmm(self, handles: list[dict | None]) -> list[int]:
-        ptrs = []
-        for r, handle in enumerate(handles):
-            if r == self.rank:
-                ptrs.append(self._own_range.ptr)  # this rank's own mapping: nothing to import
-            else:
-                ptrs.append(0 if handle is None else self._open_vmm_peer(r, handle))
-        return ptrs
-
-    def _open_vmm_peer(self, r: int, handle: dict) -> int:
-        sizes = tuple(int(n) for n in handle["allocations"])
-        if int(handle["granularity"]) != self.granularity():
-            # Every rank computed every layout with its own granularity: they must agree.
-            raise ValueError(f"rank {self.rank}: peer {r}'s cuMem granularity is {handle['granularity']}, this "
-                             f"rank's {self.granularity()}; composite layouts need one granularity")
-        imported = []
-        try:
-            if self._handle_type == "posix_fd":
-                ensure_fd_room(min(len(sizes), SCM_MAX_FD))
-                fds, self.fd_paths[r] = take_fds(handle)
-                try:
-                    for i, fd in enumerate(fds):
-                        imported.append(self._vmm.import_(fd, "posix_fd"))
-                        os.close(fd)  # the imported handle keeps the allocation
-                        fds[i] = -1
-                finally:
-                    for fd in fds:
-                        if fd >= 0:
-                            os.close(fd)
-            else:
-                for raw in handle["fabric"]:
-                    imported.append(self._vmm.import_(_raw_bytes(raw), "fabric"))
-                self.fd_paths[r] = "fabric handles"
-            if len(imported) != len(sizes):
-                raise ValueError(f"{len(imported)} handles for {len(sizes)} allocations")
-            ptr = self._vmm.map_back_to_back(imported, sizes, self._alignment())
-        except (cuda_api.CudaError, OSError, ValueError) as exc:
-            for h in reversed(imported):
-                self._vmm.release(h)
-            raise PrefetchError(
-                f"rank {self.rank}: cannot import the segment of peer {r} (host {handle.get('host')}, device "
-                f"{handle.get('device')}, {self.mapping}): {exc}"
-            ) from exc
-        except BaseException:
-            for h in reversed(imported):
-                self._vmm.release(h)
-            raise
-        self._peer_ranges[r] = _VmmRange(tuple(imported), sizes, ptr)
-        return ptr
-
-    def _open_process(self, handles: list[dict]) -> list[int]:
-        own = self.device.index or 0
-        for r, handle in enumerate(handles):
-            if handle.get("pid") != os.getpid():
-                raise ValueError(f"rank {self.rank}: peer {r}'s segment belongs to process {handle.get('pid')}, "
-                                 f"not this one ({os.getpid()}); mapping='process' holds every rank in one process")
-            device = int(handle["device"])
-            if self.device.type == "cuda" and device != own and self.api.can_access_peer(own, device):
-                self.api.enable_peer_access(device)  # copies between the devices go over their link
-        return [int(h["ptr"]) for h in handles]
-
-    def _open_symmetric(self, handles: list[dict]) -> list[int]:
-        symm = _symmetric_memory_module()
-        if self.process_group is None:
-            raise ValueError(f"rank {self.rank}: mapping='symmetric_memory' needs the DWDP group's process group")
-        self._symmetric = symm.rendezvous(self._segment, self.process_group)
-        return [int(p) for p in self._symmetric.buffer_ptrs]
-
     @property
     def can_rejoin(self) -> bool:
-        return self.mapping in REJOINABLE_MAPPINGS
+        return self.mapper.rejoinable
 
     def board_handle(self) -> dict:
         """register()'s handle in JSON (bytes as hex), for the group's board: an IPC or fabric handle is
@@ -541,9 +360,7 @@ class CudaTransport(Transport):
                              f"{REJOINABLE_MAPPINGS}")
         if self._handle is None:
             raise RuntimeError(f"rank {self.rank}: board_handle() before register()")
-        if self._handle_type == "posix_fd":
-            if not self._exported_fds:
-                raise RuntimeError(f"rank {self.rank}: board_handle() after seal closed the exported fds")
+        if self.mapper.keep_export_for_board():
             self._keep_export = True
         return {k: v.hex() if isinstance(v, bytes) else [x.hex() for x in v] if k == "fabric" else v
                 for k, v in self._handle.items()}
@@ -573,8 +390,7 @@ class CudaTransport(Transport):
         if int(handle.get("nbytes", -1)) != self._peer_nbytes[peer]:
             raise ValueError(f"rank {self.rank}: rejoining peer {peer} offers a segment of {handle.get('nbytes')} "
                              f"bytes; expected {self._peer_nbytes[peer]}")
-        self._peer_ptrs[peer] = (self._open_ipc_peer(peer, handle) if self.mapping == "ipc"
-                                 else self._open_vmm_peer(peer, handle))
+        self._peer_ptrs[peer] = self.mapper.open_peer(peer, handle)
         self._prepared_plans = {key: prepared for key, prepared in self._prepared_plans.items()
                                 if peer not in prepared.plan.peers}
         self._forgotten.discard(peer)
@@ -586,11 +402,7 @@ class CudaTransport(Transport):
         export is not a name in a file system."""
         if self._keep_export and not self._closed:
             return
-        if self._fd_server is not None:
-            self._fd_server.close()
-            self._fd_server = None
-        while self._exported_fds:
-            os.close(self._exported_fds.pop())
+        self.mapper.seal()
 
     def alloc_slot(self, nbytes: int) -> torch.Tensor:
         return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)[:nbytes]
@@ -711,7 +523,7 @@ class CudaTransport(Transport):
                                 peer) from exc
 
     def forget_peer(self, peer: int) -> None:
-        """Refuse copies from `peer` from now on and close its IPC mapping once the copies already
+        """Refuse copies from `peer` from now on and release its mapping once the copies already
         enqueued from it have run (a fence on the copy stream, checked without blocking)."""
         if peer == self.rank or not 0 <= peer < len(self._peer_ptrs):
             raise ValueError(f"rank {self.rank}: cannot forget peer {peer}; expected another rank of "
@@ -721,35 +533,29 @@ class CudaTransport(Transport):
         self._forgotten.add(peer)
         self._prepared_plans = {key: prepared for key, prepared in self._prepared_plans.items()
                                 if peer not in prepared.plan.peers}
-        mapping = self._peer_bases.get(peer)  # an IPC base (kept: it names what was opened for the peer)
-        if mapping is None:
-            mapping = self._peer_ranges.pop(peer, None)  # a VMM import, retired until its fence has run
-        if mapping is not None:
+        retired = self.mapper.retire_peer(peer)
+        if retired is not None:
             if self._stream is not None:
                 fence = self.api.event_create()
                 self.api.event_record(fence, self._stream)
-                self._unmap_after.append((mapping, fence))
-            elif isinstance(mapping, _VmmRange):
-                self._release_range(mapping)  # nothing was ever enqueued from it
+                self._unmap_after.append((retired, fence))
+            else:
+                self.mapper.release(retired)  # nothing was ever enqueued from it
         self._unmap_landed()
 
     def _unmap_landed(self) -> None:
-        """Close the mappings of forgotten peers whose fence has completed."""
+        """Release the mappings of forgotten peers whose fence has completed."""
         waiting = []
-        for base, fence in self._unmap_after:
+        for retired, fence in self._unmap_after:
             try:
                 landed = self.api.event_query(fence)
             except cuda_api.CudaError:
                 landed = False  # a sticky error: leave the mapping to close()
             if not landed:
-                waiting.append((base, fence))
+                waiting.append((retired, fence))
                 continue
             self.api.event_destroy(fence)
-            if isinstance(base, _VmmRange):  # a peer's imported allocation: it goes with the last importer's release
-                self._release_range(base)
-                continue
-            self._opened.remove(base)
-            self.api.ipc_close(base)
+            self.mapper.release(retired)
         self._unmap_after = waiting
 
     def release_slot(self, slot: int) -> None:
@@ -762,35 +568,13 @@ class CudaTransport(Transport):
         self.api.event_record(event, self.api.current_stream())
 
     # -- teardown ------------------------------------------------------------------------------
-    def _close_mappings(self) -> None:
-        """Release the peers' mappings (IPC and VMM imports), in the reverse of their opening."""
-        imported, self._peer_ranges = self._peer_ranges, {}
-        for peer in reversed(list(imported)):
-            try:
-                self._release_range(imported[peer])
-            except cuda_api.CudaError as exc:
-                log.error("rank %d: releasing the import of peer %d failed: %s", self.rank, peer, exc)
-        opened, self._opened = self._opened, []
-        for base in opened:
-            try:
-                self.api.ipc_close(base)
-            except cuda_api.CudaError as exc:
-                log.error("rank %d: closing a peer mapping at %#x failed: %s", self.rank, base, exc)
-
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         drained = self._drain_before_unmap()
-        retired = [mapping for mapping, _ in self._unmap_after if isinstance(mapping, _VmmRange)]
-        if drained:
-            # Unmapping a peer's segment under a running copy would fault it: only once drained.
-            for mapping in retired:
-                self._release_range(mapping)
-            self._close_mappings()
-            self._close_own_vmm()
-        else:
-            self._opened, self._peer_ranges = [], {}
+        # Unmapping a peer's segment under a running copy would fault it: only once drained.
+        self.mapper.close(drained)
         fences = [fence for _, fence in self._unmap_after]
         self._unmap_after = []
         for event in [*self._consume.values(), *(e for evs in self._slot_events.values() for e in evs), *fences]:
@@ -805,8 +589,8 @@ class CudaTransport(Transport):
             except cuda_api.CudaError:
                 pass
         self._stream = None
-        self._peer_ptrs, self._segment, self._symmetric = [], None, None
-        if self._exported_fds or self._fd_server is not None:  # a failed setup, or kept for the board
+        self._peer_ptrs, self._segment = [], None
+        if self.mapper.holds_exports():  # a failed setup, or kept for the board
             self.seal()
 
     def _drain_before_unmap(self) -> bool:
@@ -818,7 +602,7 @@ class CudaTransport(Transport):
         if self._stream is not None:
             streams.append(("copy", self._stream))
         try:
-            if self._own_range is not None or self.views is not None:
+            if self.mapper.compute_reads_mapped_memory():
                 streams.append(("compute", self.api.current_stream()))
             for what, stream in streams:
                 fence = self.api.event_create()
@@ -829,72 +613,3 @@ class CudaTransport(Transport):
             log.error("rank %d: work still in flight at close (%s); mappings are left to process exit", self.rank, exc)
             return False
         return True
-
-    def _close_own_vmm(self) -> None:
-        """The views, then the segment's own mapping and allocation (the reverse of setup)."""
-        try:
-            if self.views is not None:
-                self.views.close()
-            self.views = None
-            if self._own_range is not None:
-                self._release_range(self._own_range)
-            self._own_range = None
-            if self._vmm is not None:
-                self._vmm.close()
-        except cuda_api.CudaError as exc:
-            log.error("rank %d: releasing the composite views or the segment failed: %s", self.rank, exc)
-
-
-def local_vmm_mapping(rank: int, device, driver=None) -> str:
-    """What this rank's device can export: "vmm-fabric", "vmm-posix-fd" or "ipc" (one log line,
-    dwdp.runtime.transport.cuda_vmm.choose_mapping). driver: cuda.bindings.driver or a fake of it.
-    Ran on one H200 (it answered "vmm-posix-fd": fabric create refused with no IMEX channel)."""
-    vmm = Vmm(torch.device(device).index or 0, driver)
-    try:
-        # POSIX fds reach peers either way: pidfd_getfd, or the SCM_RIGHTS socket where it is refused.
-        return choose_mapping(vmm, rank)
-    finally:
-        vmm.close()
-
-
-def fabric_import_refusals(rank: int, device, all_gather, driver=None) -> list[str]:
-    """Whether fabric handles really cross between the ranks of a group that all export them: each rank
-    exports one granule, every rank imports every peer's (an import can be refused with NOT_PERMITTED
-    after the export succeeded, e.g. ranks in different IMEX channels). all_gather: the group's
-    all_gather_object (two rounds, every rank calls this). Returns every rank's refusals, "rank r: why";
-    empty when every import worked. Not yet run on a GPU (a single GPU has no IMEX channel)."""
-    vmm = Vmm(torch.device(device).index or 0, driver)
-    handle, raw, refusals = None, None, []
-    try:
-        try:
-            handle = vmm.create(vmm.granularity("fabric"), "fabric")
-            raw = vmm.export(handle, "fabric")
-        except cuda_api.CudaError as exc:
-            refusals.append(f"rank {rank}: export: {exc}")
-        raws = all_gather(raw)
-        for peer, peer_raw in enumerate(raws):
-            if peer == rank or peer_raw is None:
-                continue
-            try:
-                vmm.release(vmm.import_(peer_raw, "fabric"))
-            except cuda_api.CudaError as exc:
-                refusals.append(f"rank {rank}: import from rank {peer}: {exc}")
-        return [why for answer in all_gather(refusals) for why in answer]
-    finally:
-        if handle is not None:
-            vmm.release(handle)
-        vmm.close()
-
-
-def _symmetric_memory_module():
-    try:
-        from torch.distributed import _symmetric_memory as symm
-    except ImportError as exc:
-        raise RuntimeError(
-            f"cuda_mapping='symmetric_memory' (multi-node NVLink) needs torch.distributed._symmetric_memory, "
-            f"which torch {torch.__version__} does not have; run the group on one node (cuda_mapping='ipc')"
-        ) from exc
-    if not hasattr(symm, "rendezvous") or not hasattr(symm, "empty"):
-        raise RuntimeError(f"torch {torch.__version__}'s _symmetric_memory lacks empty/rendezvous; "
-                           "use cuda_mapping='ipc' on one node")
-    return symm

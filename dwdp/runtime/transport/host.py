@@ -145,6 +145,13 @@ class HostTransport(Transport):
     (smaller plans are copied inside `submit`)."""
 
     name = "host"
+    device_types = auto_for = ("cpu",)
+    default_slice_bytes = 1 << 20  # the design's default; the CPU sweeps in bench/README.md ran with it
+
+    @classmethod
+    def from_config(cls, rank: int, config, *, device=None, mapping=None, process_group=None) -> "HostTransport":
+        """inflight and copy_batches from the DWDPConfig; device, mapping and process_group are not used."""
+        return cls(rank, inflight=config.inflight, copy_batches=config.copy_batches)
 
     def __init__(self, rank: int, inflight: int = 2, shm_dir: str | None = None, copy_batches: int = 4,
                  min_batch_bytes: int = MIN_BATCH_BYTES):
@@ -166,7 +173,7 @@ class HostTransport(Transport):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closed = False
-        self.recorder = None  # a dwdp.observe.tracing.TraceRecorder while tracing
+        self.recorder = None  # a dwdp.observe.tracing.TraceRecorder while tracing (Transport.recorder)
 
     # -- setup ---------------------------------------------------------------------------------
     def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
