@@ -85,6 +85,9 @@ def worker_info(model, ready_s: float, backend: str, experts_kernel: str) -> dic
         info["local_experts"] = list(placement.local_experts(model.group.rank))
     if hasattr(model, "expert_source_used"):
         info["expert_source"] = model.expert_source_used
+    prefetcher = getattr(model, "prefetcher", None)  # DWDP only: what its prefetch runs with
+    if prefetcher is not None:
+        info["num_buffers"], info["slice_bytes"] = prefetcher.num_buffers, prefetcher.plans.slice_bytes
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
@@ -280,15 +283,13 @@ def _control(model, rank: int, message, results) -> bool:
 def build_worker_model(config: ServeConfig, rank: int):
     """This rank's DWDPModel on its device, warmed up (no kernel compiles once it serves); joins the
     env:// world, so every rank must call it together."""
-    from dwdp.runtime.config import DWDPConfig
     from dwdp.runtime.devices import model_dtype, rank_device
     from dwdp.runtime.group import init_group
     from dwdp.runtime.model import DWDPModel
 
     device = rank_device(config.device, rank)
     dtype = model_dtype(config.device, config.dtype)
-    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, backend="cuda" if device.type == "cuda" else "host",
-                             expert_replicas=config.expert_replicas, peer_timeout_s=config.peer_timeout_s)
+    dwdp_config = config.worker_dwdp
     group = init_group()
     if config.model is not None:
         model = DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group, dtype=dtype, device=device)
