@@ -1,6 +1,6 @@
 """One prefill worker: a DWDP rank that serves its own request queue, independently of its peers.
 
-Legend: B = requests in a forward, Tmax = longest prompt of the forward, V = vocabulary.
+Legend: P = prompts in a forward (its requests), Tmax = longest prompt of the forward, V = vocabulary.
 
 After the one collective of DWDP setup the worker never talks to another rank: it takes what is
 in its queue and runs one forward through DWDPModel (whose expert prefetch runs in this same
@@ -44,19 +44,19 @@ log = logging.getLogger("dwdp")
 def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Left-pad prompts so every last token sits in the last column.
 
-    Returns input_ids [B, Tmax], attention_mask [B, Tmax], position_ids [B, Tmax] (each prompt
+    Returns input_ids [P, Tmax], attention_mask [P, Tmax], position_ids [P, Tmax] (each prompt
     counts from 0 at its first real token, as it would alone) and the padding of each row.
     """
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)   # [B, Tmax]
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, Tmax]
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)   # [P, Tmax]
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [P, Tmax]
     pads = []
     for row, prompt in enumerate(prompts):
         pad = width - len(prompt)
         ids[row, pad:] = torch.tensor(prompt, dtype=torch.long)
         mask[row, pad:] = 1
         pads.append(pad)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)            # [B, Tmax]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)            # [P, Tmax]
     return ids, mask, positions, pads
 
 
@@ -137,7 +137,7 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         with torch.inference_mode():
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                         use_cache=True, logits_to_keep=1)
-        first = out.logits[:, -1].argmax(-1).tolist()  # [B] greedy first tokens from logits [B, 1, V]
+        first = out.logits[:, -1].argmax(-1).tolist()  # [P] greedy first tokens from logits [P, 1, V]
     except RankDegraded as exc:  # lost experts or device: another rank can still serve these prompts
         for job in batch:
             results.put(PrefillError(job.request_id, rank, "rank_degraded", str(exc), retryable=True))
@@ -156,7 +156,7 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
 def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[int], batch_tokens: int, rank: int,
                    kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float) -> None:
     """After a forward over `batch` that started at `started`: BatchDone, then one PrefillResult
-    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [B] first tokens."""
+    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [P] first tokens."""
     real = sum(len(job.input_ids) for job in batch)
     results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s, real,
                           tuple((job.request_id, len(job.input_ids)) for job in batch)))

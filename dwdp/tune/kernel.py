@@ -2,13 +2,14 @@
 configuration file (dwdp.kernels.tuned_configs), which `launch_config` then reads on this device.
 
 Legend: H = hidden, I = expert intermediate size, E = experts, k = experts per token, T = tokens,
-R = rows per expert = ceil(T * k / E).
+R = rows an experts call computes (T * k, sorted by expert), Re = rows per expert = ceil(T * k / E),
+N = output features, K = input features.
 
 Per token count T, two GEMMs are tuned, as the fused experts path runs them: gate_up (kind
 "<dot>_gated": N = 2I, K = H, SwiGLU epilogue) and down (kind "<dot>": N = H, K = I, routing weight
 in the epilogue). Each candidate is timed on weights spread over four buffers (a local parameter and
 three prefetch slots, as DWDP reads them), checked against the PyTorch reference (a candidate
-whose relative error exceeds 1e-2 is dropped), and the fastest becomes the entry for (kind, N, K, R),
+whose relative error exceeds 1e-2 is dropped), and the fastest becomes the entry for (kind, N, K, Re),
 pinned to the load path it ran (TMA or pointers). A kind's default becomes the candidate with the
 best geometric mean over the shapes measured this run. Entries of other shapes already in the file
 are kept, each with the date, versions and code it was measured with.
@@ -116,10 +117,10 @@ def measure_gemm(shape: TuneShape, config, device: torch.device, *, warmup: int 
     fp8 = shape.kind.startswith("fp8")
     rows = shape.rows_per_expert * shape.num_experts
     dense = torch.randn(shape.num_experts, shape.n, shape.k, device=device, generator=gen) / shape.k ** 0.5
-    x = torch.randn(rows, shape.k, device=device, generator=gen).bfloat16()  # [M, K]
+    x = torch.randn(rows, shape.k, device=device, generator=gen).bfloat16()  # [R, K], R = Re * E
     offsets = torch.arange(shape.num_experts + 1, device=device) * shape.rows_per_expert  # [E + 1]
     epilogue = SWIGLU if shape.gated else None
-    row_scale = None if shape.gated else torch.rand(rows, device=device, generator=gen)  # [M]
+    row_scale = None if shape.gated else torch.rand(rows, device=device, generator=gen)  # [R]
     quantized = {}
     if fp8:
         quant = BlockQuant("fp8", (128, 128), halves=2 if shape.gated else 1)
