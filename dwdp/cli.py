@@ -162,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(bench_sub.add_parser("serve", help="DWDP serving against DEP serving: TTFT and throughput "
                                              "under open-loop Poisson load, through the openai client"))
+    trace = sub.add_parser("trace", help="analyse one run's traces (trace_rank*.json, Nsight .sqlite or "
+                           "torch.profiler JSON); also traces/<name>.py by path")
+    from dwdp.observe.traces.commands import add_arguments as add_trace_arguments
+
+    add_trace_arguments(trace.add_subparsers(dest="trace", required=True))
     return parser
 
 
@@ -183,6 +188,10 @@ def extras_needed(args) -> tuple[str, ...]:
         return ("bench",) if args.stored else ("serve", "bench")  # --from only recomputes and plots
     if args.command == "bench":
         return ("bench",)
+    if args.command == "trace":
+        from dwdp.observe.traces.commands import EXTRAS
+
+        return EXTRAS.get(args.trace, ())
     return ()
 
 
@@ -293,7 +302,8 @@ def _tune_kernel(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["dwdp", args.command] + ([args.bench] if args.command == "bench" else []))
+    command = " ".join(["dwdp", args.command] + ([args.bench] if args.command == "bench" else [])
+                       + ([args.trace] if args.command == "trace" else []))
     line = missing_extra(command, extras_needed(args))
     if line:
         print(line, file=sys.stderr)
@@ -383,6 +393,10 @@ def _run(args) -> int:
         from dwdp.benchmarks.regimes import run_regimes
 
         return run_regimes(args)
+    if args.command == "trace":
+        from dwdp.observe.traces.commands import run_trace
+
+        return run_trace(args)
     raise AssertionError(args.command)
 
 
