@@ -59,8 +59,18 @@ def add_arguments(sub) -> None:
 
 
 def run_trace(args: argparse.Namespace) -> int:
-    return {"breakdown": run_breakdown, "contention": run_contention, "bubbles": run_bubbles,
-            "timeline": run_timeline}[args.trace](args)
+    """The driver `args.trace` on `args`; a trace it cannot read: one line on stderr, exit 2."""
+    driver = {"breakdown": run_breakdown, "contention": run_contention, "bubbles": run_bubbles,
+              "timeline": run_timeline}[args.trace]
+    try:
+        return driver(args)
+    except TraceFormatError as exc:
+        return _refuse(exc)
+
+
+def _refuse(what) -> int:
+    print(f"error: {what}", file=sys.stderr)
+    return 2
 
 
 def run_breakdown(args: argparse.Namespace) -> int:
@@ -69,9 +79,8 @@ def run_breakdown(args: argparse.Namespace) -> int:
         runs = [load_trace(p) for p in filter(None, (args.run, args.other))]
         rows = [breakdown_trace(t, rules, args.skip) for t in runs]
         summaries = [summarize(r, rules) for r in rows]
-    except (TraceFormatError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        return _refuse(exc)
 
     for trace, run_rows in zip(runs, rows):
         per_rank = {}
@@ -113,11 +122,7 @@ def run_breakdown(args: argparse.Namespace) -> int:
 
 
 def run_contention(args: argparse.Namespace) -> int:
-    try:
-        trace = load_trace(args.run)
-    except TraceFormatError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    trace = load_trace(args.run)
     result = measure_contention(trace)
     flagged = sorted(contended_waits(trace, args.threshold_ms * 1e3), key=lambda f: -f.episode.wait_us)
 
@@ -153,15 +158,10 @@ def run_contention(args: argparse.Namespace) -> int:
 
 
 def run_bubbles(args: argparse.Namespace) -> int:
-    try:
-        trace = load_trace(args.run)
-    except TraceFormatError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    trace = load_trace(args.run)
     rows = bubbles_trace(trace, args.skip)
     if not rows:
-        print(f"error: {trace.source}: no iterations after skipping {args.skip}", file=sys.stderr)
-        return 2
+        return _refuse(f"{trace.source}: no iterations after skipping {args.skip}")
     layers = per_layer(rows)
     if args.json:
         with open(args.json, "w") as f:
@@ -186,12 +186,11 @@ def run_bubbles(args: argparse.Namespace) -> int:
 def run_timeline(args: argparse.Namespace) -> int:
     from dwdp.observe.traces.timeline import plot_timeline  # matplotlib: the bench extra
 
+    trace = load_trace(args.run)
     try:
-        trace = load_trace(args.run)
         fig = plot_timeline(trace, args.skip, args.iterations)
-    except (TraceFormatError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:
+        return _refuse(exc)
     run = Path(args.run)
     output = Path(args.output) if args.output else (run if run.is_dir() else run.parent) / "timeline.png"
     fig.savefig(output, dpi=args.dpi)
