@@ -1,8 +1,9 @@
 """The `dwdp` command line.
 
-The base install (`pip install -e .`) runs `dwdp demo`, `families`, `tune`, `tune-kernel` and every
-`--help`; a subcommand that needs an extra imports it only when it runs, and without it says which
-extra in one line and exits 2 before doing any work. Every one-line refusal exits 2.
+The base install (`pip install -e .`) runs `dwdp demo`, `families`, `tune`, `tune-kernel`, `trace` (but
+its timeline) and every `--help`; a subcommand that needs an extra imports it only when it runs, and
+without it says which extra in one line and exits 2 before doing any work. Every one-line refusal
+exits 2.
 """
 from __future__ import annotations
 
