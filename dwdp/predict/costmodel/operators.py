@@ -2,7 +2,7 @@
 
 Legend: T = tokens per rank per forward, H = hidden size, I = expert intermediate size (routed
 experts), E = experts (routed) per MoE layer, k = experts per token, Hq = query heads (`nh` in the
-code), Hkv = key / value heads (`nkv`), D = head dim (`d`), A = bytes of one activation element
+code), Hkv = key / value heads (`nkv`), D = head dim (`d`), Ab = bytes of one activation element
 (ACT_BYTES), q = bytes of one activation element quantized for a GEMM (values + scales).
 Token counts may be numpy arrays (one entry per rank or per iteration): every formula is elementwise.
 
