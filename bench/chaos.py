@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from dwdp.benchmarks.load import add_load_arguments
 from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
@@ -211,10 +212,10 @@ def format_heal_table(rows: list[dict]) -> str:
     return render_table(header, lines)
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
-    p.add_argument("--ranks", type=int, default=3, help="workers (default 3)")
+    add_load_arguments(p, ranks=3, duration_s=24.0, window="case", clients=True)
     p.add_argument("--expert-replicas", type=int, default=2, help="owners of every expert (default 2)")
     p.add_argument("--victim", type=int, default=1, help="the rank hit (default 1)")
     p.add_argument("--second", type=int, default=2, help="the second rank hit in the overlapping cases (default 2)")
@@ -225,19 +226,16 @@ def main() -> int:
     p.add_argument("--restart-backoff", type=float, default=0.2, help="server's --restart-backoff in the healing "
                    "cases (default 0.2)")
     p.add_argument("--rate", type=float, default=6.0, help="offered requests per second (default 6)")
-    p.add_argument("--duration", type=float, default=24.0, help="sending window per case, s (default 24)")
     p.add_argument("--fault-at", type=float, default=8.0, help="seconds into the window the fault starts (default 8)")
     p.add_argument("--stall", type=float, default=4.0, help="seconds the stalled rank stays stopped (default 4)")
-    p.add_argument("--max-num-tokens", type=int, default=1024, help="server's padded tokens per forward")
     p.add_argument("--peer-timeout", type=float, default=1.0, help="server's --peer-timeout (default 1)")
     p.add_argument("--stall-timeout", type=float, default=1.0, help="server's --stall-timeout (default 1)")
-    p.add_argument("--timeout", type=float, default=120.0, help="longest wait for one answer, s")
-    p.add_argument("--clients", type=int, default=8)
-    p.add_argument("--isl", type=int, default=256)
-    p.add_argument("--isl-ratio", type=float, default=0.25)
-    p.add_argument("--cv", type=float, default=0.2)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON path (default bench/results/chaos_cpu.json)")
+    return p
+
+
+def main() -> int:
+    p = build_parser()
     args = p.parse_args()
     cases = args.cases.split(",")
     bad = [c for c in cases if c not in CASES]

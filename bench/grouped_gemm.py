@@ -1,15 +1,16 @@
 """Multi-buffer grouped GEMM vs contiguous / merge-copy / per-expert loop, on MoE shapes.
 
-Legend: T = tokens, k = experts per token, M = T * k sorted rows, H = hidden, I = expert
-intermediate size, E = experts, L = local experts, B = weight buffers (1 local + B - 1 peers).
+Legend: T = tokens, k = experts per token, R = rows an experts call computes (the T * k token-expert
+pairs sorted by expert), H = hidden, I = expert intermediate size, E = experts, L = local experts,
+Bw = weight buffers (1 local + Bw - 1 peers).
 
 Two sections per model:
-  gemm: the gate_up GEMM (x [M, H] @ w_e.T, w_e [2I, H]) over weights in B buffers:
+  gemm: the gate_up GEMM (x [R, H] @ w_e.T, w_e [2I, H]) over weights in Bw buffers:
     multi-buffer          the kernel reads each expert where it lives (address table)
     contiguous            the same kernel, every expert in one [E, 2I, H] tensor
     multi-buffer (TMA) / multi-buffer (pointers)  the same tiles on the other load path than the
                           default one (pointers unless DWDP_KERNEL_TMA=1), where TMA can read the weights
-    merge + grouped_mm    copy the B buffers into one [E, 2I, H] tensor, then F.grouped_mm
+    merge + grouped_mm    copy the Bw buffers into one [E, 2I, H] tensor, then F.grouped_mm
     grouped_mm (no copy)  F.grouped_mm on the contiguous tensor: the merge copy's share
     loop torch.mm         one torch.mm per expert (host offsets, computed outside the timing)
     local-first           two launches (experts [0, L) wave-aligned first, then the rest)
@@ -71,8 +72,8 @@ SHAPES = [
 
 
 def _split_buffers(num_experts: int, num_buffers: int, rows: int, cols: int, dtype, device, gen):
-    """E expert views [rows, cols] in table order: the first ceil(E / B) in the local buffer, the
-    rest in B - 1 peer buffers of consecutive experts. Returns (views, num_local)."""
+    """E expert views [rows, cols] in table order: the first ceil(E / Bw) in the local buffer, the
+    rest in Bw - 1 peer buffers of consecutive experts. Returns (views, num_local)."""
     per_buffer = math.ceil(num_experts / num_buffers)
     views = []
     for start in range(0, num_experts, per_buffer):
@@ -90,7 +91,7 @@ def _routing(num_tokens: int, shape: MoeShape, device, gen):
 
 
 def _grouped_mm(x, weights_enk, offsets):
-    """F.grouped_mm over [E, N, K] weights: x [M, K] -> [M, N]; offsets are group ends (int32)."""
+    """F.grouped_mm over [E, N, K] weights: x [R, K] -> [R, N]; offsets are group ends (int32)."""
     return F.grouped_mm(x, weights_enk.transpose(-2, -1), offs=offsets[1:].to(torch.int32))
 
 
@@ -160,7 +161,7 @@ class _Inputs:
     hidden: torch.Tensor  # [T, H]
     index: torch.Tensor  # [T, k]
     weights: torch.Tensor  # [T, k]
-    x_sorted: torch.Tensor  # [M, H]
+    x_sorted: torch.Tensor  # [R, H]
     offsets: torch.Tensor  # [E + 1]
     host_offsets: list[int]
 
@@ -171,7 +172,7 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
     views, num_local = _split_buffers(shape.experts, args.buffers, 2 * shape.inter, shape.hidden, dtype, device, gen)
     contig = torch.stack(views)  # [E, 2I, H]
     contig_views = list(contig.unbind(0))
-    out = x_sorted.new_empty(x_sorted.shape[0], 2 * shape.inter)  # [M, 2I]
+    out = x_sorted.new_empty(x_sorted.shape[0], 2 * shape.inter)  # [R, 2I]
     if use_triton:
         multi_table, contig_table = expert_weight_table(views), expert_weight_table(contig_views)
 
@@ -221,7 +222,7 @@ def _gemm_section(inp: _Inputs, args, device, dtype, use_triton, has_grouped_mm,
     variants.append(("loop torch.mm", time_fn(lambda: _loop_mm(x_sorted, host_offsets, views, out), **timer)))
     variants.append((f"local-first (L={num_local})", time_fn(local_first, **timer)))
     # Results are compared too, so a fast wrong kernel cannot pass as a win.
-    expected = _loop_mm(x_sorted, host_offsets, views, torch.empty_like(out)).float()  # [M, 2I]
+    expected = _loop_mm(x_sorted, host_offsets, views, torch.empty_like(out)).float()  # [R, 2I]
     notes["gemm_max_abs_diff_vs_loop"] = (multi().float() - expected).abs().max().item()
     out.fill_(float("nan"))
     notes["gemm_max_abs_diff_local_first_vs_loop"] = (local_first().float() - expected).abs().max().item()
@@ -280,8 +281,8 @@ def bench_model(shape: MoeShape, args, device, dtype, use_triton: bool, has_grou
     timer = dict(warmup=args.warmup, repeats=args.repeats, device=device)
     weights, index = _routing(args.tokens, shape, device, gen)
     hidden = torch.randn(args.tokens, shape.hidden, generator=gen, device=device).to(dtype)  # [T, H]
-    slots, offsets = sort_by_expert(index, shape.experts)  # [M], [E + 1]
-    x_sorted = hidden[slots // shape.top_k].contiguous()  # [M, H]
+    slots, offsets = sort_by_expert(index, shape.experts)  # [R], [E + 1]
+    x_sorted = hidden[slots // shape.top_k].contiguous()  # [R, H]
     inp = _Inputs(shape, hidden, index, weights, x_sorted, offsets, offsets.tolist())
     notes: dict = {}
     rows = _gemm_section(inp, args, device, dtype, use_triton, has_grouped_mm, timer, notes)
@@ -309,7 +310,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default bf16 on cuda, fp32 on cpu")
     parser.add_argument("--tokens", type=int, default=None, help="T (default 4096 on cuda, 128 on cpu)")
-    parser.add_argument("--buffers", type=int, default=4, help="B: local buffer + B - 1 peer buffers")
+    parser.add_argument("--buffers", type=int, default=4, help="Bw: local buffer + Bw - 1 peer buffers")
     parser.add_argument("--models", nargs="*", default=[s.name for s in SHAPES], choices=[s.name for s in SHAPES])
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
@@ -358,7 +359,7 @@ def main() -> None:
     path = args.out or RESULTS / f"grouped_gemm_{tag}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"device {result['device']} ({tag}), {result['dtype']}, T={args.tokens}, B={args.buffers}, "
+    print(f"device {result['device']} ({tag}), {result['dtype']}, T={args.tokens}, Bw={args.buffers}, "
           f"kernel rows: {result['kernel_rows']}, grouped_mm: {result['grouped_mm']}")
     print(f"1-min load average {load_before:.2f} before, {result['load_average_1min']['after']:.2f} after "
           f"on {os.cpu_count()} CPUs; wrote {path}")

@@ -26,6 +26,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from dwdp.benchmarks.load import add_load_arguments
 from dwdp.benchmarks.serving import render_table
 from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
@@ -143,23 +144,18 @@ def _prefetch_wait(url: str) -> float:
     return sum(w["prefetch_wait_s"] for w in httpx.get(f"{url}/health", timeout=10).json()["workers"])
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="a running server (default: start one here)")
-    p.add_argument("--ranks", type=int, default=2, help="workers of the server started here (default 2)")
-    p.add_argument("--max-num-tokens", type=int, default=1024,
-                   help="server's tokens per forward (real ones when it packs; longer prompts are chunked)")
+    add_load_arguments(p, ranks=2, duration_s=30.0, window="rate (at most)", clients=True)
     p.add_argument("--rates", default="1,2,4", help="offered request rates per second, comma-separated")
     p.add_argument("--num-requests", type=int, default=40, help="most requests per rate (default 40)")
-    p.add_argument("--duration", type=float, default=30.0, help="longest sending window per rate, s (default 30)")
-    p.add_argument("--timeout", type=float, default=120.0, help="longest wait for one answer, s")
-    p.add_argument("--clients", type=int, default=8, help="imbalanced request sources (default 8)")
-    p.add_argument("--isl", type=int, default=256, help="longest prompt (default 256)")
-    p.add_argument("--isl-ratio", type=float, default=0.25, help="shortest prompt / isl (default 0.25)")
-    p.add_argument("--cv", type=float, default=0.2, help="CV of the clients' shares (default 0.2)")
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="JSON path (default bench/results/serve_load_cpu.json)")
-    args = p.parse_args()
+    return p
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     rates = [float(x) for x in args.rates.split(",")]
 
     load_before = load_average_1min()

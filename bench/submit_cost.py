@@ -32,14 +32,10 @@ from pathlib import Path
 
 import torch
 
-from dwdp.runtime.placement import build_placement
-from dwdp.runtime.plan import SegmentLayout, build_copy_plan, slot_layout
+from dwdp.benchmarks.submit_cost import bindings_calls, bindings_version, device_usable, no_device_submit
 from dwdp.observe.timing import device_tag, load_average_1min, machine
-from dwdp.runtime.transport import cuda_api
-from dwdp.runtime.transport.cuda import CudaTransport
 
 RESULTS = Path(__file__).resolve().parent / "results"
-FAKE_BASE = 0x7F00_0000_0000  # addresses the no-device calls never touch
 
 
 def _per_call_us(fn, calls: int, repeats: int, after=None) -> tuple[float, float]:
@@ -59,120 +55,18 @@ def _per_call_us(fn, calls: int, repeats: int, after=None) -> tuple[float, float
     return min(runs), statistics.median(runs)
 
 
-def _no_driver(fn):
-    """fn() with a missing driver or device accepted: the bindings have converted the arguments by then."""
-    def call():
-        try:
-            fn()
-        except cuda_api.NoCudaDriverError:
-            pass
-    return call
-
-
-class _NoDeviceApi:
-    """cuda_api for a transport with no device: copies and events are no-ops, so a submit costs
-    exactly the transport's own host work."""
-
-    prepare_batch = staticmethod(cuda_api.prepare_batch)
-    CudaError, NoCudaDriverError = cuda_api.CudaError, cuda_api.NoCudaDriverError
-
-    def __init__(self):
-        self._next = 0x1000
-
-    def _id(self) -> int:
-        self._next += 0x10
-        return self._next
-
-    def require(self):
-        pass
-
-    def has_memcpy_batch(self) -> bool:
-        return True
-
-    def set_device(self, device):
-        pass
-
-    def device_synchronize(self):
-        pass
-
-    def stream_create(self) -> int:
-        return self._id()
-
-    def event_create(self, interprocess=False) -> int:
-        return self._id()
-
-    def current_stream(self) -> int:
-        return 0x7
-
-    def ipc_export(self, ptr):
-        return bytes(64), 0
-
-    def ipc_open(self, raw) -> int:
-        return FAKE_BASE
-
-    def event_record(self, event, stream):
-        pass
-
-    def stream_wait_event(self, stream, event):
-        pass
-
-    def memcpy_prepared_batch(self, batch, stream):
-        pass
-
-    def event_destroy(self, event):
-        pass
-
-    def stream_destroy(self, stream):
-        pass
-
-    def ipc_close(self, base):
-        pass
-
-    def event_wait(self, event, timeout_s):
-        return 0.0
-
-
-def _transport_submit(copies: int):
-    """A no-device transport of rank 0 of 2 and a plan of about `copies` slices in 4 batches."""
-    placement = build_placement(16, 2)
-    expert_bytes = 4096 * max(1, copies // 8)
-    layout = SegmentLayout(1, placement.num_local_experts, (expert_bytes,))
-    transport = CudaTransport(0, "cpu", copy_batches=4, api=_NoDeviceApi())
-    transport.alloc_segment(layout.total_nbytes)
-    handle = transport.register()
-    transport.open([handle, dict(handle, rank=1)])
-    plan = build_copy_plan(placement, 0, 0, 0, layout, expert_bytes * 8 // copies)
-    slot = torch.empty(slot_layout(placement, 0, layout.tensor_nbytes).total_nbytes, dtype=torch.uint8)
-    return (lambda: transport.submit(plan, slot)), len(plan.slices)
-
-
 def measure(copies_list: list[int], slice_bytes: int, calls: int, repeats: int, device: bool) -> list[dict]:
     rows = []
     for copies in copies_list:
-        if device:
-            src = torch.empty(copies * slice_bytes, dtype=torch.uint8, device="cuda")
-            dst = torch.empty_like(src)
-            base_dst, base_src, stream = dst.data_ptr(), src.data_ptr(), cuda_api.stream_create()
-        else:
-            base_dst, base_src, stream = FAKE_BASE, FAKE_BASE + (1 << 36), 0x77
-        dsts = [base_dst + i * slice_bytes for i in range(copies)]
-        srcs = [base_src + i * slice_bytes for i in range(copies)]
-        sizes = [slice_bytes] * copies
-        batch = cuda_api.prepare_batch(dsts, srcs, sizes)
-        submit, slices = _transport_submit(copies)
+        submit, slices = no_device_submit(copies)
+        bindings, close = bindings_calls(copies, slice_bytes, device)
         drain = torch.cuda.synchronize if device else None
-        timed = {
-            "transport_submit": submit,
-            "prepare": lambda: cuda_api.prepare_batch(dsts, srcs, sizes),
-            "bindings_call": _no_driver(lambda: cuda_api.memcpy_prepared_batch(batch, stream)),
-            "prepare_and_call": _no_driver(lambda: cuda_api.memcpy_batch_async(dsts, srcs, sizes, stream)),
-        }
+        timed = {"transport_submit": submit, **bindings}
         row = {"copies": copies, "transport_slices": slices}
         for name, fn in timed.items():
             best, median = _per_call_us(fn, calls, repeats, drain if name.endswith("call") else None)
             row[f"{name}_us"], row[f"{name}_median_us"] = best, median
-        if device:
-            cuda_api.stream_destroy(stream)
+        close()
         rows.append(row)
     return rows
 
@@ -188,11 +82,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     copies = [int(c) for c in args.copies.split(",")]
-    device = not args.conversion_only and cuda_api.probe().usable and torch.cuda.is_available()
+    device = not args.conversion_only and device_usable()
     load_before = load_average_1min()
     rows = measure(copies, args.slice_bytes, args.calls, args.repeats, device)
     result = {"bench": "submit_cost", "date": time.strftime("%Y-%m-%d"), "device": device_tag("cuda" if device else "cpu"),
-              "bindings": cuda_api.probe().bindings_version, "machine": machine(), "load_1min_before": load_before,
+              "bindings": bindings_version(), "machine": machine(), "load_1min_before": load_before,
               "load_1min_after": load_average_1min(), "slice_bytes": args.slice_bytes if device else None,
               "calls": args.calls, "repeats": args.repeats, "rows": rows}
     if args.conversion_only:

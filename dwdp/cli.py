@@ -1,8 +1,9 @@
 """The `dwdp` command line.
 
-The base install (`pip install -e .`) runs `dwdp demo`, `families`, `tune`, `tune-kernel` and every
-`--help`; a subcommand that needs an extra imports it only when it runs, and without it says which
-extra in one line and exits 2 before doing any work. Every one-line refusal exits 2.
+The base install (`pip install -e .`) runs `dwdp demo`, `families`, `tune`, `tune-kernel`, `trace` (but
+its timeline) and every `--help`; a subcommand that needs an extra imports it only when it runs, and
+without it says which extra in one line and exits 2 before doing any work. Every one-line refusal
+exits 2.
 """
 from __future__ import annotations
 
@@ -91,7 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     served.add_argument("--model", metavar="PATH", help="safetensors checkpoint directory, loaded per rank")
     served.add_argument("--preset", choices=("tiny", "small"), default="tiny",
                         help="random-weight model: tiny (the demo's) or small (a Qwen3-MoE shape for GPUs); default tiny")
-    serve.add_argument("--ranks", type=_positive_int, default=2, help="worker processes / DWDP ranks (default 2)")
+    serve.add_argument("--config", metavar="FILE",
+                       help="a DWDPConfig JSON (what `dwdp tune --out FILE` writes) every worker starts from; the "
+                       "flags below that overlap it (--ranks, --slice-bytes, --expert-replicas, --peer-timeout, "
+                       "--device) override it when given, and the server says so once")
+    serve.add_argument("--ranks", type=_positive_int, default=None,
+                       help="worker processes / DWDP ranks (default: --config's group_size, else 2)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port (default 8000; 0 picks a free one)")
     serve.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory for text prompts (default: --model)")
@@ -110,11 +116,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-dir", metavar="DIR", help="where KV artifacts go (default: a temporary directory "
                        "removed at shutdown)")
     serve.add_argument("--slice-bytes", type=_positive_int, default=None,
-                       help="copy slice size (default: the backend's, 1 MiB on cpu, 4 MiB on cuda)")
-    serve.add_argument("--expert-replicas", type=_positive_int, default=1,
-                       help="ranks owning every expert; 2 keeps serving every expert after losing a rank (default 1)")
-    serve.add_argument("--peer-timeout", type=float, default=2.0,
-                       help="seconds a copy may take before the peer's liveness is checked (default 2)")
+                       help="copy slice size (default: --config's, else the backend's, 1 MiB on cpu, 4 MiB on cuda)")
+    serve.add_argument("--expert-replicas", type=_positive_int, default=None,
+                       help="ranks owning every expert; 2 keeps serving every expert after losing a rank (default: "
+                       "--config's, else 1)")
+    serve.add_argument("--peer-timeout", type=float, default=None,
+                       help="seconds a copy may take before the peer's liveness is checked (default: --config's, "
+                       "else 2)")
     serve.add_argument("--stall-timeout", type=float, default=2.0,
                        help="a worker silent this long gets no new requests until it reports again (default 2)")
     serve.add_argument("--fault-injection", action="store_true",
@@ -129,8 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--threads-per-worker", type=_positive_int, default=1, help="torch threads per worker")
     serve.add_argument("--seed", type=int, default=0, help="seed of the preset model's weights")
     serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds shutdown waits for requests")
-    serve.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                       help="cpu (host backend) or cuda: worker r on cuda:(r %% GPUs), cuda backend (default cpu)")
+    serve.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                       help="cpu (host backend) or cuda: worker r on cuda:(r %% GPUs), cuda backend (default: cuda "
+                       "when --config's backend is cuda, else cpu)")
     serve.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None,
                        help="model dtype (default bf16 on cuda, fp32 on cpu)")
     serve.add_argument("--mode", choices=("dwdp", "dep"), default="dwdp",
@@ -156,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_arguments(bench_sub.add_parser("serve", help="DWDP serving against DEP serving: TTFT and throughput "
                                              "under open-loop Poisson load, through the openai client"))
+    trace = sub.add_parser("trace", help="analyse one run's traces (trace_rank*.json, Nsight .sqlite or "
+                           "torch.profiler JSON); also traces/<name>.py by path")
+    from dwdp.observe.traces.commands import add_arguments as add_trace_arguments
+
+    add_trace_arguments(trace.add_subparsers(dest="trace", required=True))
     return parser
 
 
@@ -177,6 +191,10 @@ def extras_needed(args) -> tuple[str, ...]:
         return ("bench",) if args.stored else ("serve", "bench")  # --from only recomputes and plots
     if args.command == "bench":
         return ("bench",)
+    if args.command == "trace":
+        from dwdp.observe.traces.commands import EXTRAS
+
+        return EXTRAS.get(args.trace, ())
     return ()
 
 
@@ -288,7 +306,8 @@ def _tune_kernel(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    command = " ".join(["dwdp", args.command] + ([args.bench] if args.command == "bench" else []))
+    command = " ".join(["dwdp", args.command] + ([args.bench] if args.command == "bench" else [])
+                       + ([args.trace] if args.command == "trace" else []))
     line = missing_extra(command, extras_needed(args))
     if line:
         print(line, file=sys.stderr)
@@ -338,8 +357,10 @@ def _run(args) -> int:
         return _tune_kernel(args)
     if args.command == "serve":
         from dwdp.serve import ServeConfig, run_server
+        from dwdp.serve.config import load_dwdp_config, override_notice
 
         try:
+            dwdp_config = load_dwdp_config(args.config) if args.config else None
             config = ServeConfig(
                 ranks=args.ranks, host=args.host, port=args.port, model=args.model, preset=args.preset, seed=args.seed,
                 tokenizer=args.tokenizer, max_num_tokens=args.max_num_tokens, max_queue_tokens=args.max_queue_tokens,
@@ -349,9 +370,12 @@ def _run(args) -> int:
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
                 dtype=args.dtype, mode=args.mode, step_timeout_s=args.step_timeout, batch_order=args.batch_order,
                 fairness_s=args.fairness, restart=args.restart, restart_backoff_s=args.restart_backoff,
-                max_restarts_per_minute=args.max_restarts_per_minute, forwards=args.forwards)
+                max_restarts_per_minute=args.max_restarts_per_minute, forwards=args.forwards, dwdp=dwdp_config)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
+        notice = override_notice(config, args.config)
+        if notice:
+            print(f"dwdp serve: {notice}", flush=True)
         if config.device == "cuda":
             from dwdp.runtime.devices import NoGpu, require_gpu
 
@@ -373,6 +397,10 @@ def _run(args) -> int:
         from dwdp.benchmarks.regimes import run_regimes
 
         return run_regimes(args)
+    if args.command == "trace":
+        from dwdp.observe.traces.commands import run_trace
+
+        return run_trace(args)
     raise AssertionError(args.command)
 
 

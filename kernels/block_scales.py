@@ -1,15 +1,16 @@
 """Block-scaled weight formats: what a quantized weight and its scales mean, in plain PyTorch.
 
-Legend: N = rows of a weight (its output features), K = its columns (input features), bn x bk = the
-weights one scale covers, G = K / 32 (MXFP4 groups per row).
+Legend: N = output features (the rows of a weight), K = input features (its columns), bn = weight rows
+one block scale covers, bk = weight columns one block scale covers, Kg = groups per row (K / 32 for
+MXFP4), R = rows an experts call computes (of activations).
 
 fp8: float8_e4m3fn values W_q [N, K] and one scale per bn x bk block, s [ceil(N / bn), ceil(K / bk)]
     (fp32, or float8_e8m0fnu powers of two for scale_fmt "ue8m0"): W = W_q * s[n // bn, k // bk]
     (DeepSeek-V3 `weight_scale_inv`). A fused gate/up weight [2I, K] is two weights [I, K] blocked
     each on its own (`halves=2`, as gate_proj and up_proj are quantized in the checkpoints), so its
     scale is [2 ceil(I / bn), ceil(K / bk)]; when bn divides I that is the plain blocking of [2I, K].
-mxfp4 (gpt-oss): e2m1 values packed two per byte, low nibble first, blocks [N, G, 16] uint8, and one
-    e8m0 exponent byte per 32 values along K, scales [N, G]: W[n, 32 g + j] = e2m1(j) * 2^(s[n, g] - 127).
+mxfp4 (gpt-oss): e2m1 values packed two per byte, low nibble first, blocks [N, Kg, 16] uint8, and one
+    e8m0 exponent byte per 32 values along K, scales [N, Kg]: W[n, 32 g + j] = e2m1(j) * 2^(s[n, g] - 127).
 
 `dequantize` turns one expert's weight back into a dense [N, K] tensor on use; `quantize_*` make
 such weights from dense ones (tests, the tiny checkpoint maker). `quantize_rows_fp8` quantizes
@@ -110,13 +111,13 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, quant: BlockQuant,
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """One MXFP4 weight, blocks [N, G, 16] uint8 and scales [N, G] uint8 -> [N, 32 G] in `dtype`."""
+    """One MXFP4 weight, blocks [N, Kg, 16] uint8 and scales [N, Kg] uint8 -> [N, 32 Kg] in `dtype`."""
     rows, groups, half = blocks.shape
     lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=blocks.device)
-    values = torch.empty(rows, groups, 2 * half, dtype=torch.float32, device=blocks.device)  # [N, G, 32]
+    values = torch.empty(rows, groups, 2 * half, dtype=torch.float32, device=blocks.device)  # [N, Kg, 32]
     values[..., 0::2] = lut[(blocks & 0x0F).long()]
     values[..., 1::2] = lut[(blocks >> 4).long()]
-    exponent = scales.to(torch.int32) - 127                                                   # [N, G]
+    exponent = scales.to(torch.int32) - 127                                                   # [N, Kg]
     return torch.ldexp(values, exponent.unsqueeze(-1)).reshape(rows, groups * 2 * half).to(dtype)
 
 
@@ -167,31 +168,31 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     *lead, rows, cols = weight.shape
     if cols % MXFP4_GROUP:
         raise ValueError(f"mxfp4 needs K divisible by {MXFP4_GROUP}, got a weight of shape {list(weight.shape)}")
-    w = weight.to(torch.float32).unflatten(-1, (cols // MXFP4_GROUP, MXFP4_GROUP))  # [..., N, G, 32]
-    amax = w.abs().amax(dim=-1)                                                        # [..., N, G]
+    w = weight.to(torch.float32).unflatten(-1, (cols // MXFP4_GROUP, MXFP4_GROUP))  # [..., N, Kg, 32]
+    amax = w.abs().amax(dim=-1)                                                        # [..., N, Kg]
     exponent = torch.ceil(torch.log2(torch.where(amax > 0, amax / 6.0, torch.ones_like(amax)))).clamp(-127, 127)
     scaled = w / torch.exp2(exponent).unsqueeze(-1)
     grid = torch.tensor(E2M1_VALUES[:8])                                               # magnitudes
-    nearest = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)                 # [..., N, G, 32]
+    nearest = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(dim=-1)                 # [..., N, Kg, 32]
     codes = (nearest | ((scaled < 0).long() << 3)).to(torch.uint8)
-    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                                # [..., N, G, 16]
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)                                # [..., N, Kg, 16]
     return blocks, (exponent + 127).to(torch.uint8)
 
 
 def quantize_rows_fp8(x: torch.Tensor, group: int, *, groups_first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations [R, K] -> (float8_e4m3fn [R, K], fp32 scales [R, ceil(K / group)]): each row's group
     of `group` columns divided by its max |x| / 448 (scale 1 for an all-zero group). groups_first: the
-    scales are stored group after group ([G, R] in memory, returned as its [R, G] transpose), so the
+    scales are stored group after group ([Kg, R] in memory, returned as its [R, Kg] transpose), so the
     rows of one kernel tile read one group's scales from consecutive addresses."""
     rows, cols = x.shape
     groups = math.ceil(cols / group)
-    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - cols))  # [R, G * group]
-    amax = padded.view(rows, groups, group).abs().amax(dim=-1)                        # [R, G]
+    padded = torch.nn.functional.pad(x.to(torch.float32), (0, groups * group - cols))  # [R, Kg * group]
+    amax = padded.view(rows, groups, group).abs().amax(dim=-1)                        # [R, Kg]
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (padded.view(rows, groups, group) / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX)
     if groups_first:
-        # [R, G] view of [G, R] storage, strides (1, R) at every R: `.t().contiguous().t()` would leave a
-        # one-row scale as it is (a size-1 dimension never breaks contiguity), strides (G, 1), and the kernel
+        # [R, Kg] view of [Kg, R] storage, strides (1, R) at every R: `.t().contiguous().t()` would leave a
+        # one-row scale as it is (a size-1 dimension never breaks contiguity), strides (Kg, 1), and the kernel
         # would specialise a one-token launch apart from every other.
         scale = torch.empty(groups, rows, dtype=scale.dtype, device=scale.device).t().copy_(scale)
     return q.view(rows, groups * group)[:, :cols].to(FP8_DTYPE), scale

@@ -5,9 +5,10 @@ buffer per source peer). Instead of merging them into one [E, N, K] tensor, the 
 an int64 table of per-expert base addresses and the kernel loads the base of the expert it is
 working on. There is no cap on the number of distinct buffers.
 
-Legend: T = rows (token-expert pairs) sorted by expert, K = input features, N = rows of each
-expert's weight, N_OUT = output features (N, or N / 2 with the SwiGLU epilogue), E = experts in
-the table, W = wave size (programs of the persistent grid, one tile each per wave).
+Legend: R = rows an experts call computes (token-expert pairs, sorted by expert), K = input features,
+N = output features (the rows of each expert's weight), N_OUT = output features after the epilogue
+(N, or N / 2 with the SwiGLU epilogue), E = experts in the table, W = wave size (programs of the
+persistent grid, one tile each per wave), Kg = groups per row (of fp8 activations' scales).
 
 Schedule: tiles are numbered expert by expert; inside an expert, m-tiles run fastest in groups of
 GROUP_M (all of the expert's m-tiles when 0), then the n-tile, so the programs of one wave share a
@@ -246,9 +247,9 @@ if triton is not None:
         w_table_ptr,  # [E] int64 base address of each expert's [N, K] weight view (any strides, see stride_w*)
         bias_table_ptr,  # [E] int64 base address of each expert's [N] bias, read when HAS_BIAS
         scale_table_ptr,  # [E] int64 base address of each expert's [SR, SC] fp8 block scales, read when W_SCALED
-        offsets_ptr,  # [E + 1] int32/int64 first sorted row of each expert, then T
-        slots_ptr,  # [T] int64 slot (token * top_k + j) of each sorted row, read when HAS_SLOTS
-        scale_ptr,  # [T] (or [slots]) per-row scale, indexed by slot when HAS_SLOTS, read when HAS_SCALE
+        offsets_ptr,  # [E + 1] int32/int64 first sorted row of each expert, then R
+        slots_ptr,  # [R] int64 slot (token * top_k + j) of each sorted row, read when HAS_SLOTS
+        scale_ptr,  # [R] (or [slots]) per-row scale, indexed by slot when HAS_SLOTS, read when HAS_SCALE
         out_ptr,  # [rows of out, N_OUT] output: sorted rows, slots, or tokens (ATOMIC_OUT)
         num_experts,  # E
         N_OUT,  # output features
@@ -500,7 +501,7 @@ if triton is not None:
                 else:
                     out_rows = rows.to(tl.int64)
                 if QUANT_GROUP > 0:
-                    acc, q_scale = _quantize_groups(acc, col_mask, BLOCK_M, BLOCK_N, QUANT_GROUP, QUANT_ROUND, FP32_DOT)  # [BM, BN], [BM, BN / G]
+                    acc, q_scale = _quantize_groups(acc, col_mask, BLOCK_M, BLOCK_N, QUANT_GROUP, QUANT_ROUND, FP32_DOT)  # [BM, BN], [BM, BN / Kg]
                     groups = n_tile * (BLOCK_N // QUANT_GROUP) + tl.arange(0, BLOCK_N // QUANT_GROUP)
                     s_ptrs = out_scale_ptr + out_rows[:, None] * stride_osm + groups[None, :] * stride_osk
                     tl.store(s_ptrs, q_scale, mask=row_mask[:, None] & (groups * QUANT_GROUP < N_OUT)[None, :])
@@ -562,7 +563,7 @@ def _check_offsets(expert_offsets: torch.Tensor, num_experts: int, num_rows: int
     if device.type == "cpu":  # reading values on CUDA would sync the host, so they are checked here only
         values = expert_offsets.tolist()
         if values[0] != 0 or values[-1] > num_rows or any(b < a for a, b in zip(values, values[1:])):
-            raise ValueError(f"expert_offsets={values} must rise from 0 to at most T={num_rows}")
+            raise ValueError(f"expert_offsets={values} must rise from 0 to at most R={num_rows}")
 
 
 def _check_split(split_at: int | None, part: str, num_experts: int, wave_size: int) -> int:
@@ -640,7 +641,7 @@ def kernel_strides(t: torch.Tensor, inner: int = 1) -> tuple[int, int]:
     stride would compile a new kernel the first time one row (one token, one column group) comes. Here it
     is the stride the same layout has at every other size: a launch over one row specialises as one over
     many. inner: the dimension stored innermost (1: rows of contiguous values, A and the outputs; 0: the
-    groups-first activation scales, an [R, G] view of [G, R] storage). Returns (stride 0, stride 1).
+    groups-first activation scales, an [R, Kg] view of [Kg, R] storage). Returns (stride 0, stride 1).
     """
     if t.dim() != 2 or inner not in (0, 1):
         raise ValueError(f"kernel_strides takes a 2-D tensor and inner 0 or 1, got shape {tuple(t.shape)}, "
@@ -661,8 +662,8 @@ def _launch(
     out: torch.Tensor,  # [rows of out, N_OUT]
     *,
     launch: "LaunchConfig",  # from kernels.launch.launch_config: tiles, path, constexprs
-    num_rows: int,  # T: sorted rows covered by the offsets
-    slots: torch.Tensor | None,  # [T] int64
+    num_rows: int,  # R: sorted rows covered by the offsets
+    slots: torch.Tensor | None,  # [R] int64
     scale: torch.Tensor | None,
     epilogue: Epilogue | None,  # None: plain x @ w.T
     bias: ExpertWeightTable | None,  # E views [N]
@@ -751,7 +752,7 @@ def grouped_gemm(
 ) -> torch.Tensor:
     """out[rows of e] = epilogue(x_sorted[rows of e] @ weights[e].T) for each expert e, one launch.
 
-    x_sorted: [T, K] bf16/fp16/fp32, contiguous, rows grouped by expert in table order.
+    x_sorted: [R, K] bf16/fp16/fp32, contiguous, rows grouped by expert in table order.
     expert_offsets: [E + 1] int32 or int64 on x's device; expert e owns rows
         [offsets[e], offsets[e + 1]). Values are checked on CPU only (on CUDA it would sync).
     weights: E contiguous views [N, K] of x's dtype, in any number of distinct buffers, or an
@@ -760,8 +761,8 @@ def grouped_gemm(
         silu(x @ gate.T) * (x @ up.T); an Epilogue picks another gate or activation; None returns
         x @ w.T (N_OUT = N).
     bias: optional E views [N] (or their table), added before the activation.
-    row_scale: optional [T] per-row factor applied in fp32 after the activation.
-    out: optional [T, N_OUT] output of x's dtype; rows past offsets[E] and, with part set, rows
+    row_scale: optional [R] per-row factor applied in fp32 after the activation.
+    out: optional [R, N_OUT] output of x's dtype; rows past offsets[E] and, with part set, rows
         of the other part are left untouched.
     split_at, part: local-first scheduling. Experts [0, split_at) are local; "first" computes the
         wave-aligned local prefix (see `local_first_split`), "second" everything else.
@@ -774,7 +775,7 @@ def grouped_gemm(
     fp8_activations: with fp8 weights, x is quantized to fp8 per row and block of K columns and each
         K tile is an fp8 x fp8 dot scaled by both scales (the K tile divides the block columns; no
         bias).
-    Returns out [T, N_OUT] in x's dtype; accumulation is fp32.
+    Returns out [R, N_OUT] in x's dtype; accumulation is fp32.
     """
     from dwdp.kernels.block_scales import quantize_rows_fp8
     from dwdp.kernels.scaled_weights import check_fp8_activations, scale_table
@@ -783,7 +784,7 @@ def grouped_gemm(
     table = _as_table(weights, "weights")
     scales = None if weight_scales is None else scale_table(weight_scales, quant, table, "weight_scales")
     if not isinstance(x_sorted, torch.Tensor) or x_sorted.dim() != 2:
-        raise ValueError(f"x_sorted must be a 2-D tensor [T, K], got {getattr(x_sorted, 'shape', type(x_sorted))}")
+        raise ValueError(f"x_sorted must be a 2-D tensor [R, K], got {getattr(x_sorted, 'shape', type(x_sorted))}")
     if x_sorted.dtype not in _DTYPES:
         raise ValueError(f"x_sorted has dtype {x_sorted.dtype}, expected one of {_DTYPES}")
     if not x_sorted.is_contiguous():
@@ -821,7 +822,7 @@ def grouped_gemm(
                 f"got {row_scale.dtype} on {row_scale.device}"
             )
     if out is None:
-        out = x_sorted.new_empty(num_rows, n_out)  # [T, N_OUT]
+        out = x_sorted.new_empty(num_rows, n_out)  # [R, N_OUT]
     elif out.shape != (num_rows, n_out) or out.dtype != x_sorted.dtype or out.device != x_sorted.device:
         raise ValueError(
             f"out is {tuple(out.shape)} {out.dtype} on {out.device}, "
@@ -842,7 +843,7 @@ def grouped_gemm(
     a, a_scales, group = x_sorted, None, 1
     if fp8_activations:
         group = scales.quant.block[1]
-        a, a_scales = quantize_rows_fp8(x_sorted, group, groups_first=True)  # [T, K] fp8, [T, K / bk]
+        a, a_scales = quantize_rows_fp8(x_sorted, group, groups_first=True)  # [R, K] fp8, [R, K / bk]
     _launch(
         a, expert_offsets, table, out, launch=launch,
         num_rows=num_rows, slots=None, scale=row_scale, epilogue=epilogue, bias=bias_table, scales=scales, top_k=1,

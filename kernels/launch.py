@@ -7,8 +7,9 @@ path (TMA descriptors built on the device from the pointer table, or plain point
 constexpr of `_grouped_gemm_kernel`. `grouped_gemm` and `moe_experts` launch through it and nothing
 else picks a tile.
 
-Legend: N = weight rows of one expert, N_OUT = output features (N / 2 when gated), K = input
-features, E = experts in the weight table, R = rows per expert.
+Legend: N = output features (the weight rows of one expert), N_OUT = output features after the
+epilogue (N / 2 when gated), K = input features, E = experts in the weight table, R = rows an experts
+call computes, Re = rows per expert (R / E).
 
 The compiled specialization of a launch is `LaunchConfig.key` (every constexpr, num_warps,
 num_stages) plus what Triton derives from the arguments: the dtypes of the activations, weights and
@@ -18,13 +19,13 @@ Those are fixed for a layer (N, K, E, top_k, strides); the arguments that change
 group-first activation scales, which are the rows too) are declared
 `do_not_specialize`, so neither the routing nor the order in which remote experts arrive compiles
 anything new; and a dimension of size 1 (one token, one row of scales) is given the stride its layout
-has at every other size (grouped_gemm.kernel_strides), so one token specialises as many do. The tokens of a call change the key only through the tiles: R = rows / E selects the
+has at every other size (grouped_gemm.kernel_strides), so one token specialises as many do. The tokens of a call change the key only through the tiles: Re = R / E selects the
 nearest tuned entry, a choice among the few configurations `candidate_tiles` lists for a layer.
 
 Tile choice, in order:
   1. tiles given by the caller (GroupedGemmConfig);
   2. the configuration file of this device (exact `torch.cuda.get_device_name`): an entry of the
-     problem's kind with the same N and K, the one with the nearest R (log scale);
+     problem's kind with the same N and K, the one with the nearest Re (log scale);
   3. that file's default for the kind;
   4. the built-in default for the kind (DEFAULT_TILES), stepped down (STEP_DOWN) until it fits the
      device's shared memory (under the interpreter: INTERPRETER_TILES).

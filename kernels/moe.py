@@ -1,6 +1,6 @@
 """Fused MoE expert path over multi-buffer weights: sort, gate_up + gate, down + routing weight.
 
-Legend: T = tokens, k = experts per token, S = T * k token-expert slots (slot = t * k + j),
+Legend: T = tokens, k = experts per token, S = T * k token-expert pairs (slot t * k + j: token t's j-th),
 H = hidden size, I = expert intermediate size, E = experts in the weight tables.
 
 Two launches of the multi-buffer grouped GEMM, no merge copy and no permute copies:
@@ -220,8 +220,8 @@ def moe_experts(
 
 
 def quantize_scales(rows: int, cols: int, group: int, device: torch.device) -> torch.Tensor:
-    """Room for the scales of fp8 activations [rows, cols], one per row and `group` columns: a [rows, G]
-    view of [G, rows] storage, the layout quantize_rows_fp8(groups_first=True) returns."""
+    """Room for the scales of fp8 activations [rows, cols], one per row and `group` columns: a [rows, Kg]
+    view of [Kg, rows] storage, the layout quantize_rows_fp8(groups_first=True) returns."""
     return torch.empty(-(-cols // group), rows, dtype=torch.float32, device=device).t()
 
 

@@ -1,7 +1,8 @@
 """Plain-PyTorch references of every kernel; the CPU runtime uses them and tests compare against them.
 
-Legend: T = rows (token-expert pairs) sorted by expert, K = input features, N = output features,
-E = experts in the weight table.
+Legend: R = rows an experts call computes (token-expert pairs, sorted by expert), K = input
+features, N = output features, N1 = output features of the first projection, I = expert intermediate
+size, E = experts in the weight table, T = tokens, k = experts per token, H = hidden.
 """
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ def grouped_gemm_reference(
 ) -> torch.Tensor:
     """out[rows of e] = x_sorted[rows of e] @ weights[e].T (+ biases[e]) for each expert e.
 
-    x_sorted: [T, K], rows grouped by expert in table order.
-    expert_offsets: [E + 1] row offsets (offsets[0] = 0, offsets[E] = T), tensor or ints.
+    x_sorted: [R, K], rows grouped by expert in table order.
+    expert_offsets: [E + 1] row offsets (offsets[0] = 0, offsets[E] = R), tensor or ints.
     weights: E views [N, K], each wherever its expert lives (local parameter or a prefetch
         buffer); they are read in place, never concatenated. A transposed view ([K, N] storage) is fine.
         Quantized (with `weight_scales` and `quant`): each view as stored (fp8 [N, K], MXFP4 blocks
@@ -38,13 +39,13 @@ def grouped_gemm_reference(
     fp8_activations: fp8 weights times activations quantized to fp8 per row and block of K columns
         (quantize_rows_fp8, group = the weights' block columns), as the kernel's fp8 dots see them;
         products and sums in fp32.
-    Returns [T, N] in x_sorted's dtype.
+    Returns [R, N] in x_sorted's dtype.
     """
     offsets = expert_offsets.tolist() if isinstance(expert_offsets, torch.Tensor) else list(expert_offsets)
     if len(offsets) != len(weights) + 1:
         raise ValueError(f"expert_offsets has {len(offsets)} entries, expected len(weights) + 1 = {len(weights) + 1}")
     if offsets[0] != 0 or offsets[-1] != x_sorted.shape[0]:
-        raise ValueError(f"expert_offsets must run from 0 to T={x_sorted.shape[0]}, got {offsets[0]}..{offsets[-1]}")
+        raise ValueError(f"expert_offsets must run from 0 to R={x_sorted.shape[0]}, got {offsets[0]}..{offsets[-1]}")
     if not weights:
         raise ValueError("weights is empty: expected one [N, K] view per expert")
     if biases is not None and len(biases) != len(weights):
@@ -54,13 +55,13 @@ def grouped_gemm_reference(
     if weight_scales is not None and len(weight_scales) != len(weights):
         raise ValueError(f"weight_scales has {len(weight_scales)} entries, expected one per expert ({len(weights)})")
     n = weights[0].shape[0]
-    out = x_sorted.new_empty(x_sorted.shape[0], n)  # [T, N]
+    out = x_sorted.new_empty(x_sorted.shape[0], n)  # [R, N]
     x, compute = x_sorted, x_sorted.dtype
     if fp8_activations:
         if quant is None or quant.format != "fp8":
             raise ValueError(f"fp8_activations needs fp8 weights with block scales, got quant={quant}")
         group = quant.block[1]
-        x, compute = dequantize_rows(*quantize_rows_fp8(x_sorted, group), group), torch.float32  # [T, K]
+        x, compute = dequantize_rows(*quantize_rows_fp8(x_sorted, group), group), torch.float32  # [R, K]
     for e in range(len(weights)):
         lo, hi = offsets[e], offsets[e + 1]
         if hi < lo:
@@ -75,8 +76,8 @@ def grouped_gemm_reference(
 
 
 def swiglu_reference(gate_up_out: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for a [T, 2I] tensor in transformers' [gate; up] layout; returns [T, I]."""
-    gate, up = gate_up_out.chunk(2, dim=-1)  # [T, I] each
+    """silu(gate) * up for a [R, 2I] tensor in transformers' [gate; up] layout; returns [R, I]."""
+    gate, up = gate_up_out.chunk(2, dim=-1)  # [R, I] each
     return F.silu(gate) * up
 
 
@@ -91,10 +92,10 @@ def _activation(x: torch.Tensor, name: str, alpha: float) -> torch.Tensor:
 
 
 def epilogue_reference(h: torch.Tensor, epilogue: Epilogue) -> torch.Tensor:
-    """What the kernel's epilogue does to the first GEMM's output h [T, N1]: [T, N1 / 2] gated, else [T, N1]."""
+    """What the kernel's epilogue does to the first GEMM's output h [R, N1]: [R, N1 / 2] gated, else [R, N1]."""
     if not epilogue.gated:
         return _activation(h, epilogue.activation, epilogue.alpha)
-    gate, up = (h[..., 0::2], h[..., 1::2]) if epilogue.interleaved else h.chunk(2, dim=-1)  # [T, I] each
+    gate, up = (h[..., 0::2], h[..., 1::2]) if epilogue.interleaved else h.chunk(2, dim=-1)  # [R, I] each
     if epilogue.limit != float("inf"):
         gate = gate.clamp(max=epilogue.limit)
         up = up.clamp(min=-epilogue.limit, max=epilogue.limit)

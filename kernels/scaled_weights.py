@@ -1,8 +1,8 @@
 """fp8 weights with block scales for the Triton grouped GEMM: each expert's scale view, wherever it
 lives, next to its weight view, validated once into a table the kernel reads in its K loop.
 
-Legend: E = experts in the table, N x K = one expert's weight, SR x SC = its scale grid
-(dwdp.kernels.block_scales).
+Legend: E = experts in the table, N = output features (of one expert's weight), K = input features,
+SR = rows of a weight's scale grid, SC = columns of a weight's scale grid (dwdp.kernels.block_scales).
 """
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """Tuned tile configurations of the grouped GEMM, kept as data: one JSON file per device.
 
-Legend: N = weight rows of one expert (2 N_OUT for a gated first projection), K = input features,
-R = rows per expert (sorted rows / experts in the table: tokens x top_k / E on the MoE path).
+Legend: N = output features (the weight rows of one expert: 2 N_OUT for a gated first projection),
+K = input features, Re = rows per expert (sorted rows / experts in the table: tokens x top_k / E on
+the MoE path).
 
 A file names the device it was measured on (exactly as `torch.cuda.get_device_name` spells it),
 when, with which versions and code, and holds:
   defaults: one tile configuration per kind, used on that device when no entry matches;
-  entries:  tiles measured best for one (kind, N, K, R).
+  entries:  tiles measured best for one (kind, N, K, Re).
 A kind is the dot the kernel runs plus whether the epilogue is gated (two weight tiles per K step):
 "bf16" (bf16 or fp16 tensor-core dots), "fp8" (fp8 x fp8 dots), "fp8w" (fp8 weights dequantized
 to bf16 dots in the K loop), "fp32"; each with a "_gated" twin.

@@ -1,7 +1,7 @@
 """Tables of per-expert weight views that may live in different buffers: each expert's base address,
 checked once per layer and slot, for the grouped GEMM to read every expert where it lives.
 
-Legend: E = experts, N = rows of an expert's weight, K = its columns.
+Legend: E = experts, N = output features (the rows of an expert's weight), K = input features (its columns).
 """
 from __future__ import annotations
 

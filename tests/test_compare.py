@@ -76,8 +76,11 @@ def test_compare_refuses_bad_options(capsys):
     assert main(["bench", "compare", "--quick", "--rounds", "0"]) == 2
 
 
-def test_bench_script_is_a_thin_entry_point():
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "compare.py"), "--help"], capture_output=True, text=True,
+def test_the_cli_owns_the_driver_and_no_bench_script_repeats_it():
+    out = subprocess.run([sys.executable, "-m", "dwdp", "bench", "compare", "--help"], capture_output=True, text=True,
                          cwd=ROOT, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "--cvs" in out.stdout and "--quick" in out.stdout
+    assert "--cvs" in out.stdout and "--quick" in out.stdout and "--experts-paths" in out.stdout
+    wrappers = [p.name for p in (ROOT / "bench").glob("*.py") if "from dwdp.benchmarks" in p.read_text()
+                and len(p.read_text().splitlines()) < 40]
+    assert not wrappers, f"bench scripts that only wrap a `dwdp bench` driver: {wrappers}"

@@ -20,7 +20,8 @@ ROOT = Path(__file__).resolve().parent.parent
 NOT_IN_BASE = tuple(m for modules in EXTRA_MODULES.values() for m in modules) + ("starlette", "httpcore", "jiter",
                                                                                   "sniffio")
 SUBCOMMANDS = ([], ["demo"], ["families"], ["tune"], ["tune-kernel"], ["serve"], ["bench"], ["bench", "compare"],
-               ["bench", "regimes"], ["bench", "serve"])
+               ["bench", "regimes"], ["bench", "serve"], ["trace"], ["trace", "breakdown"], ["trace", "contention"],
+               ["trace", "bubbles"], ["trace", "timeline"])
 
 
 def stderr_line(capfd) -> str:
@@ -58,17 +59,18 @@ for argv in {SUBCOMMANDS!r}:
     except SystemExit as exc:
         assert exc.code == 0, (argv, exc.code)
     assert "usage: dwdp" in out.getvalue(), (argv, out.getvalue())
-for argv in (["serve"], ["bench", "compare"], ["bench", "regimes"], ["bench", "serve"]):
+for argv in (["serve"], ["bench", "compare"], ["bench", "regimes"], ["bench", "serve"], ["trace", "timeline", "x"]):
     print(main(argv))
 """
     run = _without_extras(code)
     assert run.returncode == 0, run.stderr
-    assert run.stdout.split() == ["2"] * 4, run.stdout
+    assert run.stdout.split() == ["2"] * 5, run.stdout
     assert run.stderr.splitlines() == [
         "dwdp serve needs fastapi: pip install -e '.[serve]'",
         "dwdp bench compare needs matplotlib: pip install -e '.[bench]'",
         "dwdp bench regimes needs matplotlib: pip install -e '.[bench]'",
         "dwdp bench serve needs fastapi: pip install -e '.[serve,bench]'",
+        "dwdp trace timeline needs matplotlib: pip install -e '.[bench]'",
     ], run.stderr
 
 

@@ -2,7 +2,8 @@
 which dequantizes each expert's weights to the activations' dtype and multiplies in that dtype; and
 with fp8 activations (fp8 x fp8 dots), against the reference quantizing the activations alike.
 
-Legend: T = rows, K = input features, N = output features, E = experts, bn x bk = weights per scale.
+Legend: R = rows an experts call computes, K = input features, N = output features, E = experts, bn = weight
+rows one block scale covers, bk = weight columns one block scale covers.
 The kernel dequantizes each weight tile in fp32 and rounds it to the activations' dtype, exactly as
 the reference does, so fp32 differs only in summation order (1e-5 relative); in bf16 each side rounds
 its fp32 sums once, so outputs differ by at most two bf16 steps of the largest output (2^-6 relative).

@@ -1,6 +1,7 @@
 """Multi-buffer grouped GEMM (Triton, run under TRITON_INTERPRET=1) against the PyTorch reference.
 
-Legend: T = sorted rows, K = input features, N = weight rows, E = experts, B = distinct buffers.
+Legend: R = rows an experts call computes (sorted by expert), K = input features, N = output features (the
+weight rows), E = experts, Bw = weight buffers (distinct ones).
 Sizes stay tiny (interpreter) and tiles are 16 so that odd sizes cross tile edges.
 """
 from __future__ import annotations
@@ -68,9 +69,9 @@ def _run(counts, n, k, num_buffers, dtype, seed, offsets_dtype=torch.int32, **kw
     gen = torch.Generator().manual_seed(seed)
     views, buffers = _split_weights(gen, len(counts), n, k, num_buffers, dtype)
     offsets = _offsets(counts, offsets_dtype)
-    x = torch.randn(sum(counts), k, generator=gen).to(dtype)  # [T, K]
+    x = torch.randn(sum(counts), k, generator=gen).to(dtype)  # [R, K]
     n_out = n // 2 if kwargs.get("activation") == "swiglu" else n
-    out = _poisoned(sum(counts), n_out, dtype)  # [T, N_OUT]
+    out = _poisoned(sum(counts), n_out, dtype)  # [R, N_OUT]
     got = grouped_gemm(x, offsets, views, out=out, config=TINY, **kwargs)
     return got, x, offsets, views
 
@@ -96,9 +97,9 @@ def test_one_token():
 
 
 def test_t_and_k_not_multiples_of_tile():
-    counts = [15, 17, 1, 31]  # rows straddle tile edges; T = 64 + 0
+    counts = [15, 17, 1, 31]  # rows straddle tile edges; R = 64 + 0
     got, x, offsets, views = _run(counts, n=33, k=45, num_buffers=2, dtype=torch.float32, seed=13)
-    _check(got, _reference_fp32(x, offsets, views), torch.float32, "T, K, N off the tile")
+    _check(got, _reference_fp32(x, offsets, views), torch.float32, "R, K, N off the tile")
 
 
 def test_offsets_int64():
@@ -112,7 +113,7 @@ def test_offsets_int64():
 def test_rows_past_last_offset_left_untouched():
     gen = torch.Generator().manual_seed(15)
     views, _ = _split_weights(gen, 3, 16, 16, 2, torch.float32)
-    x = torch.randn(20, 16, generator=gen)  # [T, K], only 12 rows routed
+    x = torch.randn(20, 16, generator=gen)  # [R, K], only 12 rows routed
     offsets = _offsets([4, 0, 8])
     out = _poisoned(20, 16, torch.float32)
     grouped_gemm(x, offsets, views, out=out, config=TINY)
@@ -124,7 +125,7 @@ def test_rows_past_last_offset_left_untouched():
 def test_swiglu_epilogue(dtype):
     counts = [6, 0, 18, 3]
     got, x, offsets, views = _run(counts, n=40, k=24, num_buffers=3, dtype=dtype, seed=16, activation="swiglu")
-    expected = swiglu_reference(_reference_fp32(x, offsets, views))  # [T, N / 2]
+    expected = swiglu_reference(_reference_fp32(x, offsets, views))  # [R, N / 2]
     assert got.shape == (sum(counts), 20), f"shape {tuple(got.shape)}"
     _check(got, expected, dtype, f"swiglu {dtype}")
 
@@ -132,7 +133,7 @@ def test_swiglu_epilogue(dtype):
 def test_row_scale_epilogue_with_swiglu():
     counts = [9, 2, 0, 14]
     gen = torch.Generator().manual_seed(17)
-    scale = torch.rand(sum(counts), generator=gen) + 0.5  # [T]
+    scale = torch.rand(sum(counts), generator=gen) + 0.5  # [R]
     got, x, offsets, views = _run(counts, n=32, k=24, num_buffers=2, dtype=torch.float32, seed=17,
                                   activation="swiglu", row_scale=scale)
     expected = swiglu_reference(_reference_fp32(x, offsets, views)) * scale[:, None]

@@ -1,8 +1,8 @@
 """Tuned kernel configurations as data: the shipped files, the rules that pick a launch's tiles
 (device, shape, fallback), bad files, and what `dwdp tune-kernel` writes.
 
-Legend: N, K = an expert's weight [N, K], R = rows per expert. Nothing here runs on a GPU: devices are
-DeviceInfo values as torch reports them (name, compute capability, shared memory, SMs).
+Legend: N = output features (of an expert's weight [N, K]), K = input features, Re = rows per expert.
+Nothing here runs on a GPU: devices are DeviceInfo values as torch reports them (name, compute capability, shared memory, SMs).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Fused MoE expert path (Triton under TRITON_INTERPRET=1) against the transformers-semantics reference.
 
-Legend: T = tokens, k = experts per token, H = hidden, I = intermediate, E = experts,
-S = T * k token-expert slots.
+Legend: T = tokens, k = experts per token, H = hidden, I = expert intermediate size, E = experts,
+S = T * k token-expert pairs (slots).
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """The TMA path of the grouped GEMM (device-built tensor descriptors over the pointer table), run in
 the Triton interpreter, which executes the descriptors' indexing: odd shapes against the reference.
 
-Legend: T = sorted rows, K = input features, N = weight rows, E = experts, B = distinct buffers.
+Legend: R = rows an experts call computes (sorted by expert), K = input features, N = output features (the
+weight rows), E = experts, Bw = weight buffers (distinct ones).
 Tiles are 16 (tma=True) so that sizes cross tile edges; K is a multiple of 4 (fp32) or 8 (bf16): TMA
 needs 16-byte rows, and shapes that are not go to the pointer path (checked below too).
 """
@@ -74,12 +75,12 @@ def test_tma_is_taken_where_asked_and_refused_where_rows_are_not_16_byte_multipl
 def test_tma_grouped_gemm_matches_reference(dtype, counts, n, k, num_buffers):
     gen = torch.Generator().manual_seed(sum(counts) + n)
     views = _buffers(gen, [(n, k)] * len(counts), num_buffers, dtype, 1 / math.sqrt(k))
-    x = torch.randn(sum(counts), k, generator=gen).to(dtype)  # [T, K]
+    x = torch.randn(sum(counts), k, generator=gen).to(dtype)  # [R, K]
     offsets = _offsets(counts)
     out = torch.full((sum(counts), n), float("nan"), dtype=dtype)
     got = grouped_gemm(x, offsets, views, out=out, config=TMA)
     want = grouped_gemm_reference(x.float(), offsets, [w.float() for w in views])
-    _check(got, want, dtype, f"counts={counts} n={n} k={k} B={num_buffers}")
+    _check(got, want, dtype, f"counts={counts} n={n} k={k} Bw={num_buffers}")
 
 
 def test_tma_swiglu_bias_row_scale_and_transposed_weights():

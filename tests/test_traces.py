@@ -344,6 +344,18 @@ def test_missing_inputs_and_script_exit_code(tmp_path, capsys):
     assert "trace_rank0.json: not valid JSON" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("name", ["breakdown", "contention", "bubbles", "timeline"])
+def test_each_trace_driver_refuses_a_trace_it_cannot_read_in_one_line(tmp_path, capsys, name):
+    """`dwdp trace <name>` and traces/<name>.py: exit 2, one line naming the file, no traceback."""
+    from dwdp.cli import main
+
+    (tmp_path / "trace_rank0.json").write_text("{\"traceEvents\": [")
+    assert main(["trace", name, str(tmp_path)]) == 2
+    assert _script(name).main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and all(e.startswith("error: ") and "trace_rank0.json: not valid JSON" in e for e in err), err
+
+
 # ---------------------------------------------------------------------------------------------
 # A real 4-rank demo run
 # ---------------------------------------------------------------------------------------------

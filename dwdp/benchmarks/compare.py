@@ -46,8 +46,7 @@ QUICK = dict(tokens_per_rank=384, isl=48, max_num_tokens=128, cvs=(0.0, 0.2), ro
 
 
 def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DIR) -> argparse.ArgumentParser:
-    """The options of `dwdp bench compare` and `bench/compare.py` (which writes the stored runs:
-    results_dir bench/results)."""
+    """The options of `dwdp bench compare` (the stored runs: `--out-dir bench/results`)."""
     p.add_argument("--ranks", type=int, default=2, help="processes in the group (default 2)")
     p.add_argument("--cvs", type=float, nargs="+", help=f"CVs of per-rank total tokens (default {list(DEFAULT_CVS)})")
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))

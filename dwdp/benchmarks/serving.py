@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from dwdp.runtime.group import free_port
+from dwdp.benchmarks.load import add_load_arguments
 from dwdp.predict.packing import RequestMix, arrival_plan
 from dwdp.observe.timing import USER_RESULTS_DIR, load_average_1min, machine
 SUSTAINED_SHARE = 0.9       # achieved / offered requests/s at or above which a rate counts as sustained
@@ -44,14 +45,11 @@ PERCENTILES = (50, 90, 99)
 
 
 def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DIR) -> argparse.ArgumentParser:
-    """The options of `dwdp bench serve` and `bench/serve_compare.py` (which writes the stored run:
-    results_dir bench/results)."""
+    """The options of `dwdp bench serve` (the stored run: `--out bench/results/serve_compare_cpu.json`)."""
     p.add_argument("--variants", default="dwdp,dep,dwdp/padded,dep/padded",
                    help="comma-separated MODE[:ORDER][/padded] served one after the other, e.g. dwdp,dep,dwdp/padded "
                         "(ORDER: the server's --batch-order, default fifo; /padded: --forwards padded)")
-    p.add_argument("--ranks", type=int, default=2, help="worker ranks of every server (default 2)")
-    p.add_argument("--max-num-tokens", type=int, default=1024,
-                   help="tokens per forward: real (packed) or padded (/padded variants) (default 1024)")
+    add_load_arguments(p, ranks=2, duration_s=12.0, window="rate")
     p.add_argument("--isl", type=int, default=512, help="longest prompt of the uniform mixes (default 512)")
     p.add_argument("--isl-ratios", default="0.5,0.8",
                    help="shortest / longest prompt, one uniform mix each, comma-separated (default 0.5,0.8)")
@@ -64,12 +62,9 @@ def add_arguments(p: argparse.ArgumentParser, results_dir: str = USER_RESULTS_DI
                    help="normal mix: standard deviation / mean (its mean is the uniform mix's); 0 skips the mix")
     p.add_argument("--rates", default="2,4,6,8,10,12,14,16,18,20",
                    help="offered requests/s, comma-separated (default 2..20: past saturation of both modes on 2 cores)")
-    p.add_argument("--duration", type=float, default=12.0, help="seconds of arrivals per rate (default 12)")
     p.add_argument("--slo", type=float, default=1.0, help="p99 TTFT bound in seconds for max load at SLO (default 1)")
-    p.add_argument("--timeout", type=float, default=120.0, help="longest wait for one answer, s")
     p.add_argument("--threads-per-worker", type=int, default=1, help="torch threads per worker (default 1)")
     p.add_argument("--fairness", type=float, default=0.5, help="servers' --fairness for the shortest order, s")
-    p.add_argument("--seed", type=int, default=0)
     default_out = str(Path(results_dir) / "serve_compare_cpu.json")
     p.add_argument("--out", default=default_out, help=f"JSON path; its plot goes beside it (default {default_out})")
     p.add_argument("--from", dest="stored", metavar="JSON",

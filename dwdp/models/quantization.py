@@ -1,7 +1,7 @@
 """Quantized experts in a model: what a checkpoint's `quantization_config` says about its experts, and
 laying an experts module out for quantized values and scales.
 
-Legend: E = experts, N = output features of a projection, K = its input features, I = expert
+Legend: E = experts, N = output features of a projection, K = input features of a projection, I = expert
 intermediate size, H = hidden size.
 
 Two expert formats are read (dwdp.kernels.block_scales): fp8 with block scales (`quant_method` "fp8",

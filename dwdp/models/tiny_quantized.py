@@ -1,6 +1,6 @@
 """Tiny quantized MoE models and checkpoints, built offline from random weights (tests, demo, examples).
 
-Legend: E = experts, N = output features of a projection, K = its input features.
+Legend: E = experts, N = output features of a projection, K = input features of a projection.
 
 `build_tiny_quantized` returns the same tiny random model twice: once with its experts quantized
 (fp8 with block scales, or MXFP4) and laid out as dwdp or transformers' FP8Experts holds them, once

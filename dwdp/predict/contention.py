@@ -1,19 +1,19 @@
 """Many-to-one contention of asynchronous expert pulls (docs/design.md 1.3): the analytic table and a
 discrete-event simulation of a DWDP group's prefetch traffic.
 
-Legend: N = group size, C = contention degree (pullers on one source, the puller included),
-k = slices a destination keeps in flight, B = link bandwidth per direction (bytes/s).
+Legend: G = ranks (the group size), C = contention degree (pullers on one source, the puller included),
+Q = slices a destination keeps in flight, BW = link bandwidth per direction (bytes/s).
 
-Analytic: if each of N ranks pulls from a source chosen uniformly among the other N-1, the number of
-other pulls on the same source is X ~ Binomial(N-2, 1/(N-1)) and C = X + 1.
+Analytic: if each of G ranks pulls from a source chosen uniformly among the other G-1, the number of
+other pulls on the same source is X ~ Binomial(G-2, 1/(G-1)) and C = X + 1.
 
 Simulation model (one MoE layer after another, per rank):
   - rank r issues the prefetch of layer l+1 when its MoE l starts, then computes for a window
     (MoE l + attention l+1); at the window's end it waits for the prefetch (the exposed wait), then
     starts MoE l+1 and issues the next prefetch. Ranks start at random offsets (asynchronous).
   - a prefetch is a list of transfers (source, bytes) in plan order; the destination keeps up to
-    k of them issued. Its inbound port moves one transfer at a time at B.
-  - a source's outbound port serves one transfer at a time at B, the oldest issued first among
+    Q of them issued. Its inbound port moves one transfer at a time at BW.
+  - a source's outbound port serves one transfer at a time at BW, the oldest issued first among
     those whose destination port is free (a copy engine serialising its readers). With
     serialise=False sources serve any number of readers at once (no contention cost).
 Plan orders: "monolithic" = one transfer per expert, peers in round-robin order from (rank+1)
@@ -39,7 +39,7 @@ MODES = ("monolithic", "tdm", "random")
 
 
 def contention_table(group_sizes=range(3, 17)) -> dict[int, np.ndarray]:
-    """{N: P(C = 1 .. N-1)} for each group size."""
+    """{G: P(C = 1 .. G-1)} for each group size."""
     return {n: contention_pmf(n) for n in group_sizes}
 
 
@@ -49,7 +49,7 @@ class PullConfig:
 
     expert_nbytes: bytes of each weight tensor of one expert (e.g. gate_up, down).
     window_s: mean compute window per layer; window_cv: its per-rank, per-layer spread (lognormal).
-    inflight: transfers a destination keeps issued (k). num_samples: contention snapshots taken
+    inflight: transfers a destination keeps issued (Q). num_samples: contention snapshots taken
     at evenly spaced times while every rank is still busy.
     """
 
@@ -84,9 +84,9 @@ class PullResult:
     contention_counts[c-1]: snapshots in which a pulling rank's current source had c pullers.
     uncontended_s: one prefetch alone on the link."""
 
-    exposed_s: np.ndarray  # [N, layers]
-    prefetch_s: np.ndarray  # [N, layers]
-    contention_counts: np.ndarray  # [N-1]
+    exposed_s: np.ndarray  # [G, layers]
+    prefetch_s: np.ndarray  # [G, layers]
+    contention_counts: np.ndarray  # [G-1]
     uncontended_s: float
     transfers_per_layer: int
 

@@ -1,12 +1,13 @@
 """Prompt lengths drawn like the paper's workloads, packed into forwards of at most max-num-tokens.
 
-Legend: I = forwards per rank, N = ranks, L = one prompt's length, MNT = max_num_tokens.
+Legend: F = forwards per rank, G = ranks, T = tokens of one prompt (its length: `describe()` names it
+L, as the stored runs that key on it do), MNT = max_num_tokens.
 
 A context server takes prompts in arrival order and puts as many as fit into one forward of at most
 MNT tokens (ragged batching, no padding); every prompt fits one forward (no chunked prefill here).
 Lengths are uniform integers in [ceil(ratio * isl), isl], or, with a standard deviation, normal
 around isl (rounded, clipped to [1, MNT]). Each rank draws its own stream, so ranks' forwards differ
-in tokens and, more, in attention work (sum of L^2 / 2): the per-step spread DEP must wait for.
+in tokens and, more, in attention work (sum of T^2 / 2): the per-step spread DEP must wait for.
 """
 from __future__ import annotations
 
@@ -87,8 +88,8 @@ def _rank_forwards(mix: RequestMix, max_num_tokens: int, num_forwards: int, rng)
 
 def forward_shapes(mix: RequestMix, max_num_tokens: int, num_ranks: int, num_forwards: int, windows,
                    rng: np.random.Generator) -> ForwardShape:
-    """Every rank's first `num_forwards` forwards: tokens [I, N], and for each attention window the
-    causal pairs and K/V rows read, [I, N] (each prompt attends its own tokens only)."""
+    """Every rank's first `num_forwards` forwards: tokens [F, G], and for each attention window the
+    causal pairs and K/V rows read, [F, G] (each prompt attends its own tokens only)."""
     if mix.isl > max_num_tokens:
         raise ValueError(f"isl={mix.isl} exceeds max_num_tokens={max_num_tokens}: chunked prefill is not simulated")
     windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
@@ -109,7 +110,7 @@ def with_token_cv(shape: ForwardShape, cv: float, rng: np.random.Generator) -> F
         raise ValueError(f"cv={cv} must be >= 0")
     sigma = math.sqrt(math.log1p(cv ** 2))
     factor = rng.lognormal(-sigma ** 2 / 2, sigma, size=np.shape(shape.tokens)) if cv > 0 else 1.0
-    scale = float(np.mean(shape.tokens)) * factor / shape.tokens  # [I, N]
+    scale = float(np.mean(shape.tokens)) * factor / shape.tokens  # [F, G]
     return ForwardShape(shape.tokens * scale, {w: p * scale for w, p in shape.pairs.items()},
                         {w: k * scale for w, k in shape.keys_read.items()})
 

@@ -1,6 +1,6 @@
 """Queueing simulation of a prefill server under Poisson arrivals: TTFT of DWDP and DEP serving.
 
-Legend: N = ranks, B = prompts in a forward, Tmax = its longest prompt.
+Legend: G = ranks, P = prompts in a forward, Tmax = longest prompt of the forward.
 
 The same arrival model as `dwdp bench serve` (dwdp.predict.packing.arrival_plan: Poisson times, lengths
 from a RequestMix) and the same server rules as `dwdp serve`: the router gives each request to the
@@ -9,7 +9,7 @@ leaves them at once); a rank takes its queue in arrival order, without waiting, 
 - packed forwards (`Service.packed`): at most max_num_tokens real tokens, prompts in progress
   first, a prompt that does not fit whole chunked (dwdp.serve.scheduling.take_pieces); a request is
   done when the forward of its last chunk ends;
-- padded forwards: B x Tmax <= max_num_tokens padded tokens, whole prompts only.
+- padded forwards: P x Tmax <= max_num_tokens padded tokens, whole prompts only.
 - DWDP: every rank runs its next forward as soon as it is free, alone: `forward_s(lengths)`.
 - DEP: the ranks step together: a step starts when the previous one ends and any rank holds a
   prompt; every rank runs its forward (or an idle step) and the step lasts `step_s(per-rank lengths)`.
@@ -45,10 +45,10 @@ MIN_FIT_SAMPLES = 20  # one-forward prompts a mix needs for its own line; fewer:
 
 @dataclass(frozen=True)
 class Service:
-    """forward_s([B] lengths) -> seconds of one DWDP forward; step_s(N lists of lengths, empty =
+    """forward_s([P] lengths) -> seconds of one DWDP forward; step_s(G lists of lengths, empty =
     idle) -> seconds of one DEP step; overhead_s[mode]: added to every request's TTFT. packed: the
     server packs (lengths are the real tokens of each prompt or chunk; no padding is computed);
-    otherwise a forward computes B x Tmax. outside[mode]: what a rank pays after each forward before
+    otherwise a forward computes P x Tmax. outside[mode]: what a rank pays after each forward before
     its next (missing: nothing)."""
 
     forward_s: Callable[[list[int]], float]
@@ -69,7 +69,7 @@ class Service:
 
 
 def computed_tokens(lengths: list[int], packed: bool) -> int:
-    """Tokens a forward of prompts (or chunks) of `lengths` computes: their sum packed, B x Tmax padded."""
+    """Tokens a forward of prompts (or chunks) of `lengths` computes: their sum packed, P x Tmax padded."""
     if not lengths:
         return 0
     return sum(lengths) if packed else len(lengths) * max(lengths)
@@ -288,7 +288,7 @@ def analytic_service(sim_config, packed: bool = False) -> Service:
     """The calibrated cost model (dwdp.predict.simulate) of `sim_config`'s model, hardware and group; the
     DWDP copies' contention stretch is the one dwdp.predict.simulate.simulate finds for that setting.
     packed: forwards compute their real tokens (a chunk's attention to its earlier chunks is not
-    charged: the model counts causal pairs within each piece); otherwise B x Tmax."""
+    charged: the model counts causal pairs within each piece); otherwise P x Tmax."""
     from dwdp.predict import costmodel as cm
     from dwdp.predict.simulate import simulate, simulate_dep, simulate_dwdp
 
@@ -302,7 +302,7 @@ def analytic_service(sim_config, packed: bool = False) -> Service:
     def shape(per_rank: list[list[int]]) -> cm.ForwardShape:
         padded = [list(lengths) if packed else [max(lengths)] * len(lengths) if lengths else []
                   for lengths in per_rank]
-        tokens = np.array([[float(sum(p)) for p in padded]])                           # [1, N]
+        tokens = np.array([[float(sum(p)) for p in padded]])                           # [1, G]
         pairs = {w: np.array([[float(np.sum(cm.causal_pairs(np.array(p), w))) if p else 0.0 for p in padded]])
                  for w in windows}
         return cm.ForwardShape(tokens, pairs, {w: tokens.copy() for w in windows})

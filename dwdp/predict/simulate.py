@@ -1,6 +1,6 @@
 """Iteration simulator: DWDP vs DEP for one group over many forwards, from the prompts each rank packs.
 
-Legend: I = forwards per rank, N = ranks in the group (DWDP group = DEP group), M = MoE layers.
+Legend: F = forwards per rank, G = ranks (the DWDP group = the DEP group), M = MoE layers.
 Times in seconds; breakdowns are per forward, averaged over ranks and forwards.
 
 Workload (dwdp.predict.packing): each rank draws prompt lengths and packs them into forwards of at most
@@ -19,7 +19,7 @@ Outside the forward (dwdp.predict.costmodel.outside): every mode pays host work,
 the rest after each forward; a DEP step pays it once for the group (the slowest rank's hand-off), a
 DWDP rank after each of its own forwards. Breakdown rows Host, KV hand-off, Other; "Iteration" is the
 forward alone (the paper's Table 1), "Iteration + outside" what a rank spends per forward.
-Throughput per GPU: DEP = all tokens / (N x summed step times); DWDP = mean over ranks of own tokens /
+Throughput per GPU: DEP = all tokens / (G x summed step times); DWDP = mean over ranks of own tokens /
 own time (each rank serves its own queue); both with the time outside the forward (`speedup`) and
 without it (`forward_speedup`, the iteration ratio).
 """
@@ -163,19 +163,19 @@ def _by_category(ops, scale=1.0) -> dict:
 
 
 def simulate_dep(spec, hw, deploy, cal, shape: cm.ForwardShape, rng: np.random.Generator) -> tuple[dict, np.ndarray]:
-    """DEP over forwards shape [I, N]: ({row: seconds per forward}, step times [I])."""
+    """DEP over forwards shape [F, G]: ({row: seconds per forward}, step times [F])."""
     fmt, dense = cm.formats(deploy)
     tokens = np.asarray(shape.tokens, float)
     n = tokens.shape[1]
-    gathered = tokens.sum(axis=1, keepdims=True)  # [I, 1]
+    gathered = tokens.sum(axis=1, keepdims=True)  # [F, 1]
     held = math.ceil(spec.num_experts / n)
     attn = {w: cm.attention_ops(spec, hw, tokens, shape.pairs[w], shape.keys_read[w], dense, cal)
             for w in set(spec.window)}
     pre, mid, post = _split_moe(cm.moe_ops(spec, hw, tokens, fmt, dense, held, routed_tokens=gathered * spec.top_k / n,
                                            routing_tokens=gathered, cal=cal))
     dense_mlp = cm.dense_mlp_ops(spec, hw, tokens, dense, cal)
-    busiest = np.maximum(tokens, (gathered - tokens) / (n - 1)).max(axis=1, keepdims=True)  # [I, 1]
-    a2a = cm.all2all_time(spec, hw, deploy, busiest, cal) / 2  # [I, 1] one of dispatch / combine
+    busiest = np.maximum(tokens, (gathered - tokens) / (n - 1)).max(axis=1, keepdims=True)  # [F, 1]
+    a2a = cm.all2all_time(spec, hw, deploy, busiest, cal) / 2  # [F, 1] one of dispatch / combine
     pre_s, mid_s, post_s = (sum(op.time_s for op in ops) for ops in (pre, mid, post))
     spent = {c: 0.0 for c in cm.KERNEL_CATEGORIES}
     clock = np.zeros_like(tokens)
@@ -203,7 +203,7 @@ def simulate_dep(spec, hw, deploy, cal, shape: cm.ForwardShape, rng: np.random.G
             spent[c] = spent[c] + t
         for c, t in _by_category(mid).items():
             spent[c] = spent[c] + t * share
-    step = clock.max(axis=1)  # [I]: the next step starts when the slowest rank is done
+    step = clock.max(axis=1)  # [F]: the next step starts when the slowest rank is done
     waited = waited + step[:, None] - clock
     mean = lambda x: float(np.mean(np.broadcast_to(x, tokens.shape)))  # noqa: E731
     row = {c: mean(spent[c]) for c in cm.KERNEL_CATEGORIES}
@@ -238,7 +238,7 @@ def copy_stretch(spec_name: str, hw_name: str, deploy: cm.Deployment, plan: str,
 
 
 def simulate_dwdp(spec, hw, deploy, cal, shape: cm.ForwardShape, stretch: float) -> tuple[dict, np.ndarray, cm.CopySlowdown]:
-    """DWDP over forwards shape [I, N]: ({row: seconds per forward}, rank times [I, N], slowdown)."""
+    """DWDP over forwards shape [F, G]: ({row: seconds per forward}, rank times [F, G], slowdown)."""
     layers = cm.layer_costs(spec, hw, shape, deploy, cal=cal)
     timeline, slowdown = cm.rank_timeline(spec, hw, layers, deploy, cal, stretch)
     mean = lambda x: float(np.mean(np.broadcast_to(x, np.shape(shape.tokens))))  # noqa: E731

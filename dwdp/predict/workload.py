@@ -1,15 +1,15 @@
 """Per-rank request streams for imbalanced benchmarks, batched into forwards under a token budget.
 
-Legend: G = ranks, N = mean total tokens per rank, ISL = longest input, B = requests in a forward,
-Lmax = the longest of them.
+Legend: G = ranks, Tr = mean total tokens per rank, ISL = longest input, P = prompts in a forward (its
+requests), Tmax = longest prompt of the forward.
 
-Each rank r gets a total of N * f_r tokens, where the factors f = 1 + cv * z have mean 1 and
+Each rank r gets a total of Tr * f_r tokens, where the factors f = 1 + cv * z have mean 1 and
 coefficient of variation `cv` across ranks: z is a seeded standard-normal draw, standardised to
 mean 0 and standard deviation 1 so even two ranks see the requested imbalance (for G >= 2; factors
 are floored at MIN_FACTOR, which lowers the CV only when cv * |z| approaches 1). Requests arrive
 with lengths uniform in [ceil(ratio * ISL), ISL] (mean (1 + ratio) / 2 * ISL) until the rank's
 total is reached; the last request is cut to land on it exactly. Requests are batched into
-forwards in arrival order, as many as fit in `max_num_tokens` padded tokens (B * Lmax).
+forwards in arrival order, as many as fit in `max_num_tokens` padded tokens (P * Tmax).
 
 Everything derives from `seed`; `Workload.describe()` prints what a run needs to be repeated.
 """
@@ -26,7 +26,7 @@ MIN_FACTOR = 0.05
 
 @dataclass(frozen=True)
 class WorkloadConfig:
-    """num_ranks: G; tokens_per_rank: N (mean over ranks); isl: longest request; isl_ratio: shortest
+    """num_ranks: G; tokens_per_rank: Tr (mean over ranks); isl: longest request; isl_ratio: shortest
     request / isl; cv: coefficient of variation of per-rank totals; max_num_tokens: padded tokens
     per forward (>= isl); seed: every draw."""
 
@@ -163,11 +163,11 @@ def make_workload(config: WorkloadConfig) -> Workload:
 
 
 def forward_inputs(forward: Forward, vocab: int, seed: int) -> dict[str, torch.Tensor]:
-    """Random token ids for one forward, right-padded: input_ids [B, Lmax], attention_mask [B, Lmax]."""
+    """Random token ids for one forward, right-padded: input_ids [P, Tmax], attention_mask [P, Tmax]."""
     gen = torch.Generator().manual_seed(seed)
     width = max(forward.lengths)
-    ids = torch.zeros(len(forward.lengths), width, dtype=torch.long)    # [B, Lmax]
-    mask = torch.zeros(len(forward.lengths), width, dtype=torch.long)   # [B, Lmax]
+    ids = torch.zeros(len(forward.lengths), width, dtype=torch.long)    # [P, Tmax]
+    mask = torch.zeros(len(forward.lengths), width, dtype=torch.long)   # [P, Tmax]
     for i, n in enumerate(forward.lengths):
         ids[i, :n] = torch.randint(3, vocab, (n,), generator=gen)
         mask[i, :n] = 1

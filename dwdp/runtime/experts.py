@@ -23,10 +23,13 @@ from dataclasses import dataclass
 
 import torch
 
-from dwdp.observe import phases
-from dwdp.runtime.expert_math import combine, expert_mlp
+from dwdp.kernels import launch as kernel_launch  # the module: tests stand in for its device_info
+from dwdp.kernels import moe_experts
+from dwdp.kernels.moe import moe_tile_pairs
 from dwdp.models.expert_tensors import ExpertsMath
+from dwdp.observe import phases
 from dwdp.observe.tracing import now_us
+from dwdp.runtime.expert_math import combine, expert_mlp
 
 EXPERTS_IMPLEMENTATION = "dwdp"
 
@@ -205,8 +208,6 @@ def _kernel_call(runtime: LayerRuntime, slot: int, hidden_states, top_k_index, t
     way whatever the routing, the batch or the caller's dtypes: the forms `warm_kernel` compiles.
     split: local experts first, then `on_local_done()`, then the rest; else every expert in one launch.
     tiles: a (gate_up, down) pair of tile configurations (warm-up); None lets the kernel choose them."""
-    from dwdp.kernels import moe_experts
-
     tables = runtime.kernel_tables[slot]
     hidden = _aligned(hidden_states.contiguous())                     # [T, H]
     positions = runtime.position[top_k_index]                         # [T, k] int64 table positions
@@ -224,9 +225,6 @@ def warm_kernel(runtime: LayerRuntime, dtype: torch.dtype, top_k: int, num_token
     (its copies had landed) or local experts first, then the rest (they had not), each with every pair
     of tiles the number of tokens can select (kernels.moe_tile_pairs). Nothing is waited for and the
     outputs are discarded: the point is that Triton compiles (or loads) each specialisation now."""
-    from dwdp.kernels.launch import device_info
-    from dwdp.kernels.moe import moe_tile_pairs
-
     tables = runtime.kernel_tables[0]
     device = runtime.position.device
     num_experts = len(runtime.table_order)
@@ -235,7 +233,7 @@ def warm_kernel(runtime: LayerRuntime, dtype: torch.dtype, top_k: int, num_token
     index = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)                              # [T, k]
     router_ids = torch.tensor(runtime.table_order)[index].to(device)  # router ids whose positions are `index`
     weights = torch.rand(num_tokens, top_k, generator=gen).to(device)  # [T, k]
-    pairs = moe_tile_pairs(dtype, tables.first, tables.down, device=device_info(hidden.device),
+    pairs = moe_tile_pairs(dtype, tables.first, tables.down, device=kernel_launch.device_info(hidden.device),
                            epilogue=runtime.epilogue, first_scales=tables.first_scales,
                            down_scales=tables.down_scales, first_bias=tables.first_bias is not None,
                            down_bias=tables.down_bias is not None, fp8_activations=tables.fp8_activations)

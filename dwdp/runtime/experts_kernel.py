@@ -10,14 +10,18 @@ input, identity experts, a gate no epilogue reproduces, MXFP4 weights) runs on t
 """
 from __future__ import annotations
 
+import importlib
 import itertools
 
 import torch
 
+from dwdp.kernels import Epilogue, epilogue_reference, expert_weight_table, is_interpreter, scale_table
+from dwdp.kernels.launch import fp8_block_k
 from dwdp.models.adapters import ExpertsLayer
 from dwdp.models.expert_tensors import ALIGN_BYTES, ExpertsSpec
 from dwdp.runtime.experts import KernelTables, LayerTables
 
+_GROUPED_GEMM = importlib.import_module("dwdp.kernels.grouped_gemm")  # the module, not the function of that name
 _PROBE_ROWS = 64
 _PROBE_SCALE = 8.0  # |x| up to ~30: past any clamp limit in use (7 for gpt-oss)
 _LIMIT_ATTRS = ("limit", "swiglu_limit")
@@ -33,8 +37,6 @@ def _attr(module: torch.nn.Module, names: tuple[str, ...], default: float) -> fl
 
 
 def _candidates(module: torch.nn.Module, gated: bool, interleaved_hint: bool):
-    from dwdp.kernels import Epilogue
-
     if not gated:
         for act in ("relu2", "silu", "gelu_tanh"):
             yield Epilogue(activation=act, gated=False)
@@ -52,8 +54,6 @@ def _candidates(module: torch.nn.Module, gated: bool, interleaved_hint: bool):
 
 def identify_epilogue(layer: ExpertsLayer):
     """The kernel Epilogue that reproduces the layer's gate on a seeded random probe, or None."""
-    from dwdp.kernels import epilogue_reference
-
     spec = layer.spec
     first = spec.tensor(spec.math.first[0])
     n1 = first.shape[1] if first.name in spec.math.transposed else first.shape[0]
@@ -81,11 +81,8 @@ def compiled_specialisations() -> int:
     """Specialisations of the experts kernel this process has compiled (or loaded from Triton's disk
     cache) so far; 0 where Triton is absent or interprets. A count that grows after warm-up means a
     launch met a form warm-up did not compile, and stalled while it compiled."""
-    import importlib
-
-    try:
-        kernel = importlib.import_module("dwdp.kernels.grouped_gemm")._grouped_gemm_kernel
-    except ImportError:
+    kernel = getattr(_GROUPED_GEMM, "_grouped_gemm_kernel", None)  # defined only where Triton imports
+    if kernel is None:
         return 0
     caches = getattr(kernel, "device_caches", None) or {}
     return sum(len(entry[0]) for entry in caches.values())
@@ -168,9 +165,6 @@ def choose_experts_kernel(requested: str, device: torch.device, layers: list[Exp
 
 def fp8_dot_blocker(layer: ExpertsLayer) -> str | None:
     """Why fp8 x fp8 dots cannot run this layer (on top of kernel_blocker), or None."""
-    from dwdp.kernels import is_interpreter
-    from dwdp.kernels.launch import fp8_block_k
-
     math = layer.spec.math
     if len(math.quantized) != 2:
         return "fp8 dots need fp8 weights with block scales"
@@ -185,8 +179,6 @@ def fp8_dot_blocker(layer: ExpertsLayer) -> str | None:
 
 def kernel_weight_tables(spec: ExpertsSpec, tables: LayerTables, fp8_activations: bool = False) -> KernelTables:
     """The Triton path's address tables of one slot's per-expert views (built once, reused)."""
-    from dwdp.kernels import expert_weight_table, scale_table
-
     math = spec.math
 
     def weights(name: str):

@@ -1,8 +1,8 @@
 """Memory layouts of expert weights and the sliced, peer-interleaved copy plan of one layer.
 
-Legend: L = local experts per rank, M = missing experts per rank, T = tensors per expert that move
-(its named weights, biases, ...: dwdp.models.expert_tensors), nb[t] = bytes one expert's tensor t takes
-(its size padded to 16 bytes).
+Legend: L = local experts per rank, nb[t] = bytes of one expert's tensor t (one of the named tensors
+that move with it, dwdp.models.expert_tensors: weights, biases, ...; its size padded to 16 bytes),
+I = expert intermediate size, H = hidden size.
 
 Source segment (one per rank, shared with peers): for each MoE layer, tensor-major blocks
     [tensor 0 of its L local experts][tensor 1 of its L local experts]...

@@ -1,6 +1,6 @@
 """A new process taking the place of a lost rank in a running DWDP group, with no collective.
 
-Legend: L = local experts per rank, n = experts asked for.
+Legend: L = local experts per rank, Eq = experts asked for.
 
 The replacement reads its peers' entries from the group's board (dwdp.runtime.board), maps their
 segments and liveness records, fills its own segment with its local experts, and publishes its
@@ -83,6 +83,6 @@ def peer_source(layers, offset_in_peer, owner_of: dict[int, int], peer_segment, 
             peer = owner_of[e]
             start = offset_in_peer(peer, index_of[name], e, t_index)
             rows.append(tensor.views_in(peer_segment(peer), start, 1))  # [1, *shape]
-        return torch.cat(rows)  # [n, *shape]
+        return torch.cat(rows)  # [Eq, *shape]
 
     return read

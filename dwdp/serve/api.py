@@ -8,6 +8,7 @@ Every error is JSON in the OpenAI shape {"error": {"message", "type", "param", "
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from fastapi import FastAPI, Request
@@ -107,6 +108,8 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
     app.state.metrics = metrics
     vocab = pool.model_info["vocab_size"]
     max_prompt, limit_name = prompt_limit(config, pool.model_info)
+    worker_dwdp = config.worker_dwdp  # what every worker was started with (None in DEP mode)
+    dwdp_config = None if worker_dwdp is None else dataclasses.asdict(worker_dwdp)
 
     def fail(error: ServeError) -> JSONResponse:
         metrics.error(error.error_type)
@@ -236,6 +239,7 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
     async def health():
         snap = pool.snapshot()
         snap["model"] = {"name": config.model_name, **pool.model_info}
+        snap["dwdp_config"] = dwdp_config
         return JSONResponse(snap, status_code=200 if snap["status"] in ("ok", "degraded") else 503)
 
     @app.post("/admin/fault")

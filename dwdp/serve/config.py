@@ -1,13 +1,25 @@
 """ServeConfig: the knobs of one context server (router + one prefill worker per DWDP rank)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dwdp.runtime.transport.registry import auto_backend, transport_class
+from dwdp.runtime.config import DWDPConfig
 
 PRESETS = ("tiny", "small")
 MODES = ("dwdp", "dep")
 BATCH_ORDERS = ("fifo", "shortest")
 RESTARTS = ("never", "on-failure")
 FORWARDS = ("auto", "padded")
+# Serve settings that are also DWDPConfig fields: ServeConfig field -> DWDPConfig field. Left at None
+# each takes its value from `dwdp` (the --config file), else SERVE_DEFAULTS; given, it wins over the
+# file and `dwdp_overrides` records it. `device` sets the DWDPConfig backend the same way.
+DWDP_FIELDS = {"ranks": "group_size", "slice_bytes": "slice_bytes", "expert_replicas": "expert_replicas",
+               "peer_timeout_s": "peer_timeout_s", "device": "backend"}
+SERVE_DEFAULTS = {"ranks": 2, "slice_bytes": None, "expert_replicas": 1, "peer_timeout_s": 2.0, "device": "cpu"}
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -24,7 +36,8 @@ def _check_seconds(name: str, value) -> None:
 class ServeConfig:
     """Settings of `dwdp serve`.
 
-    ranks: worker processes, all in one DWDP group (each an independent prefill worker).
+    ranks: worker processes, all in one DWDP group (each an independent prefill worker); None:
+        `dwdp.group_size`, else 2.
     model: checkpoint directory loaded per rank with DWDPModel.from_pretrained; None = `preset`.
     preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model; "small": a
         Qwen3-MoE shape with 384 MiB of bf16 experts, for GPUs), seeded by `seed`.
@@ -40,18 +53,19 @@ class ServeConfig:
     max_body_bytes: largest request body; bigger ones get 413 before they are parsed.
     kv_dir: where each request's KV cache is written as `<request id>.safetensors` (None: a
         temporary directory removed at shutdown).
-    slice_bytes: DWDP copy slice size of every worker (None: the backend's default, DWDPConfig.slice_bytes_for).
+    slice_bytes: DWDP copy slice size of every worker (None: `dwdp.slice_bytes`, else the backend's
+        default, DWDPConfig.slice_bytes_for).
     expert_replicas: ranks owning every expert (DWDPConfig.expert_replicas); 2 keeps every expert
-        servable when any one worker is lost.
+        servable when any one worker is lost. None: `dwdp.expert_replicas`, else 1.
     peer_timeout_s: DWDPConfig.peer_timeout_s of every worker (bound on a copy before the peer's
-        liveness is read; heartbeat age that counts as stalled).
+        liveness is read; heartbeat age that counts as stalled). None: `dwdp.peer_timeout_s`, else 2.
     stall_timeout_s: a worker silent this long (no health report) gets no new requests until it
         speaks again; its queued requests wait for it.
     fault_injection: enable POST /admin/fault (make one rank's memory unreadable), for chaos tests.
     threads_per_worker: torch intra-op threads of each worker.
     startup_timeout_s: longest wait for every worker to build its model, warm it up and join the group.
     device: "cpu" (host backend) or "cuda": worker rank r on cuda:(r % GPUs), cuda backend (several
-        workers may share a GPU).
+        workers may share a GPU). None: "cuda" when `dwdp.backend` is "cuda", else "cpu".
     dtype: the model's dtype, "fp32" / "bf16" / "fp16" (None: bf16 on CUDA, fp32 on CPU).
     drain_timeout_s: longest graceful shutdown waits for requests in flight.
     mode: "dwdp" (every rank an independent DWDP worker) or "dep" (the expert-parallel baseline:
@@ -73,9 +87,14 @@ class ServeConfig:
         and the worker's startup self-check of a packed forward passes, dwdp.serve.packcheck; else
         padded) or "padded" (left-padded batches whatever the family, no chunks: the baseline
         `dwdp bench serve` compares packing against).
+    dwdp: the DWDPConfig every worker starts from (`dwdp serve --config FILE`: what `dwdp tune`
+        writes); None: DWDPConfig's defaults. The settings of DWDP_FIELDS that are given win over
+        it (`dwdp_overrides`); `worker_dwdp` is what the workers run with. DWDP mode only.
+    dwdp_overrides (set here, not passed): (ServeConfig field, DWDPConfig field, the file's value,
+        the value served) of each setting given that differs from `dwdp`.
     """
 
-    ranks: int = 2
+    ranks: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     model: str | None = None
@@ -88,14 +107,14 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     kv_dir: str | None = None
     slice_bytes: int | None = None
-    expert_replicas: int = 1
-    peer_timeout_s: float = 2.0
+    expert_replicas: int | None = None
+    peer_timeout_s: float | None = None
     stall_timeout_s: float = 2.0
     fault_injection: bool = False
     threads_per_worker: int = 1
     startup_timeout_s: float = 300.0
     drain_timeout_s: float = 30.0
-    device: str = "cpu"
+    device: str | None = None
     dtype: str | None = None
     mode: str = "dwdp"
     step_timeout_s: float = 30.0
@@ -105,8 +124,16 @@ class ServeConfig:
     restart_backoff_s: float = 0.5
     max_restarts_per_minute: int = 3
     forwards: str = "auto"
+    dwdp: DWDPConfig | None = None
+    dwdp_overrides: tuple = field(default=(), init=False, compare=False)
 
     def __post_init__(self):
+        if self.dwdp is not None and not isinstance(self.dwdp, DWDPConfig):
+            raise ValueError(f"dwdp={self.dwdp!r} must be a DWDPConfig (or None)")
+        if self.mode == "dep" and self.dwdp is not None:
+            raise ValueError("dwdp: a DWDPConfig (--config) sets up DWDP workers and mode='dep' runs none; serve it "
+                             "in mode 'dwdp', or leave the DWDPConfig out")
+        self._take_dwdp_settings()
         _check_int("ranks", self.ranks, 1)
         _check_int("port", self.port, 0)
         if self.port > 65535:
@@ -160,6 +187,36 @@ class ServeConfig:
         _check_int("max_restarts_per_minute", self.max_restarts_per_minute, 1)
         if self.forwards not in FORWARDS:
             raise ValueError(f"forwards={self.forwards!r} is not one of {FORWARDS}")
+        if self.mode == "dwdp":
+            self._merged_dwdp()  # DWDPConfig checks the merged settings here, not later in a worker
+
+    def _take_dwdp_settings(self) -> None:
+        """Each DWDP_FIELDS setting left at None from `dwdp` (else SERVE_DEFAULTS); a given one that
+        differs from `dwdp` goes into dwdp_overrides."""
+        overrides = []
+        for name, dwdp_name in DWDP_FIELDS.items():
+            given = getattr(self, name)
+            in_file = getattr(self.dwdp, dwdp_name) if self.dwdp is not None else None
+            if name == "device":  # the file names a backend; "auto" leaves the device to the flag
+                in_file = None if in_file in (None, "auto") else transport_class(in_file).device_types[0]
+            if given is None:
+                object.__setattr__(self, name, in_file if in_file is not None else SERVE_DEFAULTS[name])
+            elif in_file is not None and given != in_file:
+                overrides.append((name, dwdp_name, getattr(self.dwdp, dwdp_name), given))
+        object.__setattr__(self, "dwdp_overrides", tuple(overrides))
+
+    @property
+    def worker_dwdp(self) -> DWDPConfig | None:
+        """The DWDPConfig every worker builds its DWDPModel with: `dwdp` (or the defaults) with the
+        settings of DWDP_FIELDS, the device's backend and that backend's slice size; None in DEP mode."""
+        return self._merged_dwdp() if self.mode == "dwdp" else None
+
+    def _merged_dwdp(self) -> DWDPConfig:
+        backend = auto_backend(self.device)
+        config = (self.dwdp or DWDPConfig()).replace(
+            group_size=self.ranks, slice_bytes=self.slice_bytes, expert_replicas=self.expert_replicas,
+            peer_timeout_s=self.peer_timeout_s, backend=backend)
+        return config.replace(slice_bytes=config.slice_bytes_for(backend))
 
     @property
     def restarts_workers(self) -> bool:
@@ -187,6 +244,39 @@ class ServeConfig:
         if self.model is not None:
             return self.model.rstrip("/").rsplit("/", 1)[-1]
         return f"dwdp-{self.preset}"
+
+
+def load_dwdp_config(path: str) -> DWDPConfig:
+    """The DWDPConfig saved at `path` (DWDPConfig.to_json, as `dwdp tune` writes it), or ValueError in
+    one line naming the path and what is wrong: the file, its JSON, or the field and its value."""
+    where = f"--config {path}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ValueError(f"{where}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: expected a JSON object of DWDPConfig fields (what `dwdp tune` writes), got "
+                         f"{type(data).__name__}")
+    known = {f.name for f in dataclasses.fields(DWDPConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{where}: unknown DWDPConfig field {unknown[0]!r}; expected some of {sorted(known)}")
+    try:
+        return DWDPConfig(**data)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def override_notice(config: ServeConfig, source: str) -> str | None:
+    """One line naming each serve flag that overrides the DWDPConfig of `source`, with both values;
+    None when none does."""
+    if not config.dwdp_overrides:
+        return None
+    flags = ", ".join(f"--{name.removesuffix('_s').replace('_', '-')} {value} over {dwdp_name}={in_file!r}"
+                      for name, dwdp_name, in_file, value in config.dwdp_overrides)
+    return f"flags override {source}: {flags}"
 
 
 def prompt_limit(config: ServeConfig, model_info: dict) -> tuple[int, str]:

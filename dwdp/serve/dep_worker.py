@@ -1,6 +1,6 @@
 """One DEP prefill worker: a rank of an expert-parallel group that steps together with its peers.
 
-Legend: G = ranks, B = prompts in this rank's forward, V = vocabulary.
+Legend: G = ranks, P = prompts in this rank's forward, V = vocabulary.
 
 What a DEP prefill server does (attention data parallel + expert parallel, dwdp.runtime.baselines.dep): the
 router hands each request to the rank with the fewest outstanding tokens, exactly as in DWDP mode;
@@ -124,7 +124,7 @@ def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, re
     """One step of this rank: a forward over `batch`, answering each finished job, or an idle step
     when `batch` is empty. `batch`: PrefillJobs (a padded forward) or (InProgress, tokens) pairs (a
     packed one, dwdp.serve.scheduling.take_pieces). Returns the padded forward's last-position
-    logits [B, V], the packed forward's [(finished prompt, its last logits [V])], or None when idle. Raises what the forward
+    logits [P, V], the packed forward's [(finished prompt, its last logits [V])], or None when idle. Raises what the forward
     or its collectives raised: the caller breaks the group. gaps: this rank's ForwardGaps (time
     between two forwards of its own; an idle step in between leaves that gap unmeasured)."""
     if not batch:
@@ -146,7 +146,7 @@ def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, re
     with torch.inference_mode():
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                     use_cache=True, logits_to_keep=1)
-    logits = out.logits[:, -1]                                               # [B, V]
+    logits = out.logits[:, -1]                                               # [P, V]
     first = logits.argmax(-1).tolist()
     ended = time.monotonic()
     if gaps is not None:

@@ -1,8 +1,9 @@
 """KV-cache artifacts: one safetensors file per request, for a generation server to load.
 
-Legend: B = requests in a forward, T = prompt tokens, Tmax = longest prompt of the forward,
-Hkv = cached heads, Dk / Dv = key / value head dims (the model's own: for DeepSeek-V3 MLA the
-cache holds the decompressed keys [.., qk_nope + qk_rope] and values [.., v_head_dim]).
+Legend: P = prompts in a forward (its requests), T = tokens of a prompt, Tmax = longest prompt of the
+forward, Hkv = key / value heads (the cache's), Dk = head dim of the keys, Dv = head dim of the values
+(the model's own: for DeepSeek-V3 MLA the cache holds the decompressed keys [.., qk_nope + qk_rope]
+and values [.., v_head_dim]).
 
 File layout: tensors `layers.{l}.keys` [1, Hkv, T, Dk] and `layers.{l}.values` [1, Hkv, T, Dv]
 for every layer l, contiguous, in the model's dtype, holding positions 0 .. T-1 of the prompt
@@ -38,9 +39,9 @@ def to_host(layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def request_cache(cache, row: int, pad: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """One request's (keys, values) per layer out of a batched, left-padded cache.
 
-    cache: transformers DynamicCache of a forward over [B, Tmax]; row: the request's batch row;
-    pad: its left-padding, so its tokens are positions [pad, Tmax). Returns [1, Hkv, T, D] pairs on the
-    CPU (the artifact is a file: a GPU worker's cache comes to host memory here).
+    cache: transformers DynamicCache of a forward over [P, Tmax]; row: the request's batch row;
+    pad: its left-padding, so its tokens are positions [pad, Tmax). Returns ([1, Hkv, T, Dk], [1, Hkv, T, Dv])
+    pairs on the CPU (the artifact is a file: a GPU worker's cache comes to host memory here).
     """
     layers = []
     for layer in cache.layers:

@@ -2,7 +2,8 @@
 prompts run packed into one forward and each alone; the worker serves packed forwards only when
 the two agree.
 
-Legend: V = vocabulary, T = a prompt's tokens, H = cached heads, D = head dim.
+Legend: V = vocabulary, T = tokens of a prompt, Ld = decoder layers, Hkv = key / value heads (the
+cache's), D = head dim.
 
 `packing_support` decides from the config alone; this check runs the model the worker will serve
 with (a DWDPModel or DEPModel, whose MoE layers are the ones it serves with) through the very
@@ -51,7 +52,7 @@ def self_check_prompts(vocab_size: int, lengths=SELF_CHECK_LENGTHS, seed: int = 
 
 
 def _alone(model, prompt: tuple, device) -> tuple[torch.Tensor, list]:
-    """(last logits [V], L pairs of [1, H, T, D]) of `prompt` alone, under the model's own mask."""
+    """(last logits [V], Ld pairs of [1, Hkv, T, D]) of `prompt` alone, under the model's own mask."""
     with torch.inference_mode():
         out = model(input_ids=torch.tensor([prompt], device=device), cache=DynamicCache(), use_cache=True)
     return out.logits[0, -1], [(layer.keys, layer.values) for layer in out.cache.layers]
@@ -92,7 +93,7 @@ def check_packed_forward(model, lengths=SELF_CHECK_LENGTHS, seed: int = SELF_CHE
                     failures.append(f"prompt {i} layer {layer} {name}: shape {tuple(got.shape)} != alone "
                                  f"{tuple(ref.shape)}")
                     continue
-                d, tol = float((got.float() - ref.float()).abs().max()), _bound(ref, dtype)  # over [1, H, T, D]
+                d, tol = float((got.float() - ref.float()).abs().max()), _bound(ref, dtype)  # over [1, Hkv, T, D]
                 dkv = max(dkv, d)
                 if d > tol:
                     failures.append(f"prompt {i} layer {layer} {name}: max |d| {d:.3g} > tol {tol:.3g}")

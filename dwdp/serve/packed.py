@@ -1,11 +1,12 @@
 """Packed (padding-free) forwards: several prompts, or chunks of prompts, as one sequence.
 
-Legend: P = pieces in a forward, N = their tokens (sum of piece lengths, no padding), K = cached
-tokens of earlier chunks the pieces continue (the "prefix"), H = cached heads, D = head dim.
+Legend: P = prompts in a forward (pieces of them), T = tokens of the pieces (sum of their lengths, no
+padding), Tc = cached tokens of earlier chunks the pieces continue (the "prefix"), Hkv = key / value
+heads (the cache's), D = head dim.
 
 A piece is tokens [start, end) of one prompt. A forward lays its pieces back to back as one row of
-N tokens, each with its own position ids (start, start+1, ...), in front of which the cache holds
-the K keys/values of the earlier chunks of those pieces that continue a prompt. The mask lets a
+T tokens, each with its own position ids (start, start+1, ...), in front of which the cache holds
+the Tc keys/values of the earlier chunks of those pieces that continue a prompt. The mask lets a
 token see exactly what it would see alone: the tokens of its own prompt at positions <= its own
 (and within the layer's sliding window or attention chunk), cached or new. It is built here from
 positions, not by transformers (whose packed-sequence detection, masking_utils.
@@ -85,9 +86,9 @@ def pack(pieces: list[Piece], prefix_lengths: list[int]) -> dict:
     """The packed row of `pieces`, continuing `prefix_lengths[i]` cached tokens for piece i (its
     `start`, or 0 for a first chunk).
 
-    Returns input_ids [1, N], position_ids [1, N], segment ids of the queries [N] and of the keys
-    [K + N], positions of the keys [K + N], and `last` [P]: each piece's last index in the row.
-    The cache's K tokens are laid out piece by piece in the order of `pieces`.
+    Returns input_ids [1, T], position_ids [1, T], segment ids of the queries [T] and of the keys
+    [Tc + T], positions of the keys [Tc + T], and `last` [P]: each piece's last index in the row.
+    The cache's Tc tokens are laid out piece by piece in the order of `pieces`.
     """
     ids, positions, q_segment, kv_segment, kv_position, last = [], [], [], [], [], []
     for i, (piece, prefix) in enumerate(zip(pieces, prefix_lengths)):
@@ -100,17 +101,17 @@ def pack(pieces: list[Piece], prefix_lengths: list[int]) -> dict:
         positions += range(piece.start, piece.end)
         q_segment += [i] * len(piece.ids)
         last.append(len(ids) - 1)
-    return {"input_ids": torch.tensor([ids], dtype=torch.long),                    # [1, N]
-            "position_ids": torch.tensor([positions], dtype=torch.long),          # [1, N]
-            "q_segment": torch.tensor(q_segment, dtype=torch.long),               # [N]
-            "kv_segment": torch.tensor(kv_segment + q_segment, dtype=torch.long),  # [K + N]
-            "kv_position": torch.tensor(kv_position + positions, dtype=torch.long),  # [K + N]
+    return {"input_ids": torch.tensor([ids], dtype=torch.long),                    # [1, T]
+            "position_ids": torch.tensor([positions], dtype=torch.long),          # [1, T]
+            "q_segment": torch.tensor(q_segment, dtype=torch.long),               # [T]
+            "kv_segment": torch.tensor(kv_segment + q_segment, dtype=torch.long),  # [Tc + T]
+            "kv_position": torch.tensor(kv_position + positions, dtype=torch.long),  # [Tc + T]
             "last": last}
 
 
 def allowed(q_segment: torch.Tensor, q_position: torch.Tensor, kv_segment: torch.Tensor, kv_position: torch.Tensor,
             kind: str = "full_attention", window: int | None = None) -> torch.Tensor:
-    """[N, K + N] bool: query i may attend to key j. Same prompt, key not after the query, and for
+    """[T, Tc + T] bool: query i may attend to key j. Same prompt, key not after the query, and for
     "sliding_attention" at most `window - 1` positions back (transformers' sliding_window_overlay),
     for "chunked_attention" in the same chunk of `window` positions."""
     q_pos, kv_pos = q_position[:, None], kv_position[None, :]
@@ -133,7 +134,7 @@ def _window(cfg, kind: str) -> int | None:
 
 
 def _in_format(ok: torch.Tensor, implementation: str, dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, N, K + N] in what the attention implementation adds or selects with: a bool mask for
+    """[1, 1, T, Tc + T] in what the attention implementation adds or selects with: a bool mask for
     sdpa, an additive float mask (0 or dtype min) for eager."""
     ok = ok[None, None]
     if implementation == "sdpa":
@@ -144,7 +145,7 @@ def _in_format(ok: torch.Tensor, implementation: str, dtype: torch.dtype) -> tor
 
 
 def attention_masks(config, packed: dict, dtype: torch.dtype, device) -> torch.Tensor | dict:
-    """The mask(s) to pass as `attention_mask` for `packed`: one [1, 1, N, K + N] tensor when every
+    """The mask(s) to pass as `attention_mask` for `packed`: one [1, 1, T, Tc + T] tensor when every
     layer is of one kind (the model uses a 4-D mask as given), else {layer kind: mask}, the mapping
     the models with mixed layers take."""
     cfg = text_config(config)

@@ -1,8 +1,8 @@
 """One packed, chunked prefill forward of a worker (both modes), and the prompts it leaves in progress.
 
-Legend: P = pieces in the forward, N = their real tokens (<= max_num_tokens), K = cached tokens of
-the earlier chunks they continue, L = layers, H = cached heads, Dk / Dv = key / value head dims,
-V = vocabulary.
+Legend: P = prompts in the forward (pieces of them), T = tokens of the pieces (real ones, <= max_num_tokens),
+Tc = cached tokens of the earlier chunks they continue, Ld = decoder layers, Hkv = key / value heads
+(the cache's), Dk = head dim of the keys, Dv = head dim of the values, V = vocabulary.
 
 A prompt longer than what is left of a forward's token budget is prefilled in chunks: each chunk
 is a piece of a later forward (beside other prompts' pieces) that attends to the keys and values of
@@ -26,8 +26,8 @@ from dwdp.serve.varlen import PackedLayout, piecewise
 
 @dataclass
 class InProgress:
-    """A prompt on this worker: `done` tokens prefilled in `chunks`, their KV in `kv` (L pairs of
-    [1, H, done, Dk] / [1, H, done, Dv] on the model's device; None before the first chunk)."""
+    """A prompt on this worker: `done` tokens prefilled in `chunks`, their KV in `kv` (Ld pairs of
+    [1, Hkv, done, Dk] / [1, Hkv, done, Dv] on the model's device; None before the first chunk)."""
 
     job: PrefillJob
     done: int = 0
@@ -50,8 +50,8 @@ def _prefix_cache(prefixes: list) -> DynamicCache:
     given = [p for p in prefixes if p is not None]
     if given:
         for layer in range(len(given[0])):
-            keys = torch.cat([p[layer][0] for p in given], dim=-2)    # [1, H, K, Dk]
-            values = torch.cat([p[layer][1] for p in given], dim=-2)  # [1, H, K, Dv]
+            keys = torch.cat([p[layer][0] for p in given], dim=-2)    # [1, Hkv, Tc, Dk]
+            values = torch.cat([p[layer][1] for p in given], dim=-2)  # [1, Hkv, Tc, Dv]
             cache.update(keys, values, layer)
     return cache
 
@@ -62,11 +62,11 @@ def model_dtype(model) -> torch.dtype:
 
 def packed_forward(model, pieces: list[Piece], prefixes: list) -> tuple[torch.Tensor, list]:
     """Run `pieces` as one packed row through `model` (a transformers causal LM, or a DWDPModel /
-    DEPModel around one). prefixes[i]: the KV of piece i's earlier chunks (L pairs of [1, H, start, D])
-    or None when it starts its prompt.
+    DEPModel around one). prefixes[i]: the KV of piece i's earlier chunks (Ld pairs of [1, Hkv, start, Dk]
+    / [1, Hkv, start, Dv]) or None when it starts its prompt.
 
-    Returns the logits at each piece's last token [P, V] and each piece's own new KV: P lists of L
-    pairs ([1, H, len, Dk], [1, H, len, Dv]) on the model's device.
+    Returns the logits at each piece's last token [P, V] and each piece's own new KV: P lists of Ld
+    pairs ([1, Hkv, len, Dk], [1, Hkv, len, Dv]) on the model's device.
     """
     packed = pack(pieces, [p.start for p in pieces])
     device = model.get_input_embeddings().weight.device
@@ -78,14 +78,15 @@ def packed_forward(model, pieces: list[Piece], prefixes: list) -> tuple[torch.Te
         out = model(input_ids=packed["input_ids"].to(device), position_ids=packed["position_ids"].to(device),
                     attention_mask=mask, cache=cache, use_cache=True,
                     logits_to_keep=torch.tensor(packed["last"], device=device))
-    logits = out.logits[0]                                                     # [P, V], or [N, V] when
+    logits = out.logits[0]                                                     # [P, V], or [T, V] when
     if logits.shape[0] != len(pieces):  # the model ignores logits_to_keep (qwen3_omni_moe's thinker)
         logits = logits[packed["last"]]                                        # [P, V]
     kv, offset = [], cached
     for piece in pieces:
         n = len(piece.ids)
+        # Ld x ([1, Hkv, t, Dk], [1, Hkv, t, Dv]): this piece's own new keys and values
         kv.append([(layer.keys[:, :, offset:offset + n], layer.values[:, :, offset:offset + n])
-                   for layer in out.cache.layers])                              # L x ([1, H, n, Dk], [1, H, n, Dv])
+                   for layer in out.cache.layers])
         offset += n
     return logits, kv
 

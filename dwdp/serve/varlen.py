@@ -1,9 +1,10 @@
 """Attention of a packed row piece by piece: each piece's queries against its own keys only.
 
-Legend: P = pieces in the row, N = their tokens, K = cached tokens of earlier chunks, H = heads,
-D = head dim, n = one piece's tokens, k = its keys (its cached prefix, then its own n tokens).
+Legend: P = prompts in the row (pieces of them), T = tokens of the row, Tc = cached tokens of earlier
+chunks, Hq = query heads, Hkv = key / value heads, D = head dim, Dv = head dim of the values,
+t = tokens of one piece, Tk = keys of one piece (its cached prefix, then its own t tokens).
 
-A packed forward passes one [1, 1, N, K + N] mask per layer kind (dwdp.serve.packed). Attention under
+A packed forward passes one [1, 1, T, Tc + T] mask per layer kind (dwdp.serve.packed). Attention under
 that mask computes every query against every key of the row and throws away all pairs of different
 prompts: with P pieces of equal length, P times the work one prompt alone needs. The mask is
 block-diagonal by construction (a query only ever sees keys of its own piece), so attending each
@@ -39,7 +40,7 @@ class PieceSpan:
 
 @dataclass(frozen=True)
 class PackedLayout:
-    """The pieces of one packed row: N = `tokens` new tokens after K = `cached` cached ones."""
+    """The pieces of one packed row: T = `tokens` new tokens after Tc = `cached` cached ones."""
 
     spans: tuple[PieceSpan, ...]
     tokens: int
@@ -56,8 +57,8 @@ class PackedLayout:
         return cls(tuple(spans), start, prefix)
 
     def keys_of(self, span: PieceSpan, kv: torch.Tensor) -> torch.Tensor:
-        """The piece's keys (or values, or mask columns) out of `kv` [..., K + N, ...] along dim -2:
-        [..., k, ...]."""
+        """The piece's keys (or values, or mask columns) out of `kv` [..., Tc + T, ...] along dim -2:
+        [..., Tk, ...]."""
         own = kv[..., self.cached + span.start:self.cached + span.end, :]
         if span.prefix_end == span.prefix_start:
             return own
@@ -100,18 +101,18 @@ def _cuttable(layout: PackedLayout | None, query: torch.Tensor, key: torch.Tenso
 
 def attend(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, dropout: float = 0.0,
            scaling: float | None = None, is_causal: bool | None = None, **kwargs):
-    """transformers' sdpa attention signature. query [1, H, N, D], key / value [1, Hk, K + N, D],
-    attention_mask [1, 1 or H, N, K + N] bool. Returns ([1, N, H, Dv], None) like transformers' sdpa."""
+    """transformers' sdpa attention signature. query [1, Hq, T, D], key / value [1, Hkv, Tc + T, D],
+    attention_mask [1, 1 or Hq, T, Tc + T] bool. Returns ([1, T, Hq, Dv], None) like transformers' sdpa."""
     layout = _LAYOUT.get()
     if not _cuttable(layout, query, key, attention_mask, kwargs):
         return _DENSE(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                       is_causal=is_causal, **kwargs)
     outputs = []
     for span in layout.spans:
-        rows = attention_mask[:, :, span.start:span.end]                             # [1, 1, n, K + N]
-        mask = layout.keys_of(span, rows.transpose(-1, -2)).transpose(-1, -2)          # [1, 1, n, k]
+        rows = attention_mask[:, :, span.start:span.end]                             # [1, 1, t, Tc + T]
+        mask = layout.keys_of(span, rows.transpose(-1, -2)).transpose(-1, -2)          # [1, 1, t, Tk]
         out, _ = _DENSE(module, query[:, :, span.start:span.end], layout.keys_of(span, key),
                         layout.keys_of(span, value), mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
-                        **kwargs)                                                       # [1, n, H, Dv]
+                        **kwargs)                                                       # [1, t, Hq, Dv]
         outputs.append(out)
-    return torch.cat(outputs, dim=1), None                                             # [1, N, H, Dv]
+    return torch.cat(outputs, dim=1), None                                             # [1, T, Hq, Dv]

@@ -1,6 +1,6 @@
 """One prefill worker: a DWDP rank that serves its own request queue, independently of its peers.
 
-Legend: B = requests in a forward, Tmax = longest prompt of the forward, V = vocabulary.
+Legend: P = prompts in a forward (its requests), Tmax = longest prompt of the forward, V = vocabulary.
 
 After the one collective of DWDP setup the worker never talks to another rank: it takes what is
 in its queue and runs one forward through DWDPModel (whose expert prefetch runs in this same
@@ -44,19 +44,19 @@ log = logging.getLogger("dwdp")
 def pad_left(prompts: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """Left-pad prompts so every last token sits in the last column.
 
-    Returns input_ids [B, Tmax], attention_mask [B, Tmax], position_ids [B, Tmax] (each prompt
+    Returns input_ids [P, Tmax], attention_mask [P, Tmax], position_ids [P, Tmax] (each prompt
     counts from 0 at its first real token, as it would alone) and the padding of each row.
     """
     width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)   # [B, Tmax]
-    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, Tmax]
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)   # [P, Tmax]
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)  # [P, Tmax]
     pads = []
     for row, prompt in enumerate(prompts):
         pad = width - len(prompt)
         ids[row, pad:] = torch.tensor(prompt, dtype=torch.long)
         mask[row, pad:] = 1
         pads.append(pad)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)            # [B, Tmax]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)            # [P, Tmax]
     return ids, mask, positions, pads
 
 
@@ -85,6 +85,9 @@ def worker_info(model, ready_s: float, backend: str, experts_kernel: str) -> dic
         info["local_experts"] = list(placement.local_experts(model.group.rank))
     if hasattr(model, "expert_source_used"):
         info["expert_source"] = model.expert_source_used
+    prefetcher = getattr(model, "prefetcher", None)  # DWDP only: what its prefetch runs with
+    if prefetcher is not None:
+        info["num_buffers"], info["slice_bytes"] = prefetcher.num_buffers, prefetcher.plans.slice_bytes
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
         info["gpu_memory_allocated_bytes"] = torch.cuda.memory_allocated(device)
@@ -163,7 +166,7 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         with torch.inference_mode():
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                         use_cache=True, logits_to_keep=1)
-        first = out.logits[:, -1].argmax(-1).tolist()  # [B] greedy first tokens from logits [B, 1, V]
+        first = out.logits[:, -1].argmax(-1).tolist()  # [P] greedy first tokens from logits [P, 1, V]
     except RankDegraded as exc:  # lost experts or device: another rank can still serve these prompts
         for job in batch:
             results.put(PrefillError(job.request_id, rank, "rank_degraded", str(exc), retryable=True))
@@ -185,7 +188,7 @@ def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[
                    kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float,
                    outside_s: float | None = None) -> None:
     """After a forward over `batch` that started at `started`: BatchDone, then one PrefillResult
-    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [B] first tokens;
+    (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [P] first tokens;
     outside_s: the rank's time outside forwards before this one (ForwardGaps)."""
     real = sum(len(job.input_ids) for job in batch)
     results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s, real,
@@ -321,16 +324,13 @@ def _control(model, rank: int, message, results) -> bool:
 def build_worker_model(config: ServeConfig, rank: int):
     """This rank's DWDPModel on its device, warmed up (no kernel compiles once it serves); joins the
     env:// world, so every rank must call it together."""
-    from dwdp.runtime.config import DWDPConfig
     from dwdp.runtime.devices import model_dtype, rank_device
     from dwdp.runtime.group import init_group
     from dwdp.runtime.model import DWDPModel
 
     device = rank_device(config.device, rank)
     dtype = model_dtype(config.device, config.dtype)
-    # backend "auto": the one registered for the model's device (cuda on a GPU, host on the CPU).
-    dwdp_config = DWDPConfig(slice_bytes=config.slice_bytes, expert_replicas=config.expert_replicas,
-                             peer_timeout_s=config.peer_timeout_s)
+    dwdp_config = config.worker_dwdp
     group = init_group()
     if config.model is not None:
         model = DWDPModel.from_pretrained(config.model, config=dwdp_config, group=group, dtype=dtype, device=device)

@@ -1,6 +1,6 @@
 """Copy measurements for `dwdp tune`, and the choice of slice size and batch count they imply.
 
-Legend: s = slice_bytes, b = copy_batches, B = bytes of one layer's copy plan for rank 0.
+Legend: s = slice_bytes, b = copy_batches; `bytes_per_plan`: bytes of one layer's copy plan for rank 0.
 
 Measuring (on the machine the model will run on, with the backend it will use):
   * host (any backend whose copies run on the CPU): its transports' copies, every rank's segment in this process;

@@ -2,13 +2,14 @@
 configuration file (dwdp.kernels.tuned_configs), which `launch_config` then reads on this device.
 
 Legend: H = hidden, I = expert intermediate size, E = experts, k = experts per token, T = tokens,
-R = rows per expert = ceil(T * k / E).
+R = rows an experts call computes (T * k, sorted by expert), Re = rows per expert = ceil(T * k / E),
+N = output features, K = input features.
 
 Per token count T, two GEMMs are tuned, as the fused experts path runs them: gate_up (kind
 "<dot>_gated": N = 2I, K = H, SwiGLU epilogue) and down (kind "<dot>": N = H, K = I, routing weight
 in the epilogue). Each candidate is timed on weights spread over four buffers (a local parameter and
 three prefetch slots, as DWDP reads them), checked against the PyTorch reference (a candidate
-whose relative error exceeds 1e-2 is dropped), and the fastest becomes the entry for (kind, N, K, R),
+whose relative error exceeds 1e-2 is dropped), and the fastest becomes the entry for (kind, N, K, Re),
 pinned to the load path it ran (TMA or pointers). A kind's default becomes the candidate with the
 best geometric mean over the shapes measured this run. Entries of other shapes already in the file
 are kept, each with the date, versions and code it was measured with.
@@ -24,6 +25,10 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
+
+from dwdp.kernels import (SWIGLU, BlockQuant, GroupedGemmConfig, device_info, epilogue_reference, expert_weight_table,
+                          grouped_gemm, grouped_gemm_reference, launch_config, quantize_fp8, scale_table, tuned_configs)
+from dwdp.kernels.grouped_gemm import kernel_problem
 
 MAX_REL_ERR = 1e-2
 NUM_BUFFERS = 4
@@ -69,8 +74,6 @@ def candidate_tiles(kind: str, full: bool = False, pointer_variants: bool = Fals
     the H100 sweep found, or with `full` the product of the usual tile sizes, warps and stages, each with
     and without a grouped tile order, and with `pointer_variants` each also forced onto pointer loads
     (where TMA would be taken)."""
-    from dwdp.kernels import GroupedGemmConfig
-
     fp8 = kind.startswith("fp8") and not kind.startswith("fp8w")
     if full:
         base = [GroupedGemmConfig(bm, bn, bk, num_warps=w, num_stages=s)
@@ -108,18 +111,16 @@ def measure_gemm(shape: TuneShape, config, device: torch.device, *, warmup: int 
                  seed: int = 0) -> dict:
     """Time one candidate on `shape` (bf16 weights, or fp8 with 128 x 128 block scales and fp8 x fp8 dots).
     Returns {"tflops", "rel_err", "path", "median_ms"}, or {"error": text} when it cannot run or is wrong."""
-    from dwdp.kernels import SWIGLU, BlockQuant, device_info, epilogue_reference, expert_weight_table, grouped_gemm, grouped_gemm_reference, launch_config, quantize_fp8, scale_table
-    from dwdp.kernels.grouped_gemm import kernel_problem
     from dwdp.observe.timing import time_fn
 
     gen = torch.Generator(device=device).manual_seed(seed)
     fp8 = shape.kind.startswith("fp8")
     rows = shape.rows_per_expert * shape.num_experts
     dense = torch.randn(shape.num_experts, shape.n, shape.k, device=device, generator=gen) / shape.k ** 0.5
-    x = torch.randn(rows, shape.k, device=device, generator=gen).bfloat16()  # [M, K]
+    x = torch.randn(rows, shape.k, device=device, generator=gen).bfloat16()  # [R, K], R = Re * E
     offsets = torch.arange(shape.num_experts + 1, device=device) * shape.rows_per_expert  # [E + 1]
     epilogue = SWIGLU if shape.gated else None
-    row_scale = None if shape.gated else torch.rand(rows, device=device, generator=gen)  # [M]
+    row_scale = None if shape.gated else torch.rand(rows, device=device, generator=gen)  # [R]
     quantized = {}
     if fp8:
         quant = BlockQuant("fp8", (128, 128), halves=2 if shape.gated else 1)
@@ -182,8 +183,6 @@ def _config_dict(config, result: dict) -> dict:
 
 def build_file(device: str, swept: list[dict], measured: dict, existing: dict | None = None) -> dict:
     """The configuration file's content: this run's best entries over `existing`'s, defaults per kind."""
-    from dwdp.kernels.tuned_configs import FORMAT
-
     entries = {}
     if existing is not None:
         for entry in existing.get("entries", []):
@@ -219,13 +218,12 @@ def build_file(device: str, swept: list[dict], measured: dict, existing: dict | 
                           "why": f"best geometric mean ({mean:.0f} TFLOP/s) over the {len(items)} shapes of this kind "
                                  f"measured on {measured['date']}"}
     ordered = sorted(entries.values(), key=lambda e: (e["kind"], e["n"], e["k"], e["rows_per_expert"]))
-    return {"format": FORMAT, "device": device, "measured": measured, "defaults": defaults, "entries": ordered}
+    return {"format": tuned_configs.FORMAT, "device": device, "measured": measured, "defaults": defaults,
+            "entries": ordered}
 
 
 def measured_meta(device: torch.device, how: str) -> dict:
     import triton
-
-    from dwdp.kernels import device_info
 
     root = Path(__file__).resolve().parents[1]
     try:
@@ -240,10 +238,9 @@ def measured_meta(device: torch.device, how: str) -> dict:
 
 def output_path(device_name: str, out_dir: str | None) -> Path:
     from dwdp.envs import kernel_configs_dir
-    from dwdp.kernels.tuned_configs import PACKAGE_DIR, file_name
 
-    directory = Path(out_dir or kernel_configs_dir() or PACKAGE_DIR)
-    return directory / file_name(device_name)
+    directory = Path(out_dir or kernel_configs_dir() or tuned_configs.PACKAGE_DIR)
+    return directory / tuned_configs.file_name(device_name)
 
 
 def run_tune_kernel(shapes: list[TuneShape], device: torch.device, *, full: bool = False, warmup: int = 3,
@@ -251,14 +248,11 @@ def run_tune_kernel(shapes: list[TuneShape], device: torch.device, *, full: bool
                     candidates: Callable[[str], list] | None = None, log: Callable[[str], None] = print) -> Path:
     """Sweep (`candidates(kind)`, default `candidate_tiles`), then write (merge into) this device's
     configuration file. Returns its path."""
-    from dwdp.kernels import device_info
-    from dwdp.kernels.tuned_configs import load
-
     info = device_info(device)
     path = output_path(info.name, out_dir)
     existing = None
     if path.exists():
-        load(path)  # a malformed file is an error here too, naming it, before anything is measured
+        tuned_configs.load(path)  # a malformed file is an error here too, naming it, before anything is measured
         existing = json.loads(path.read_text())
     tma = info.capability is not None and info.capability >= (9, 0)
     candidates = candidates or (lambda kind: candidate_tiles(kind, full, pointer_variants=tma))
@@ -267,7 +261,7 @@ def run_tune_kernel(shapes: list[TuneShape], device: torch.device, *, full: bool
     content = build_file(info.name, swept, measured_meta(device, how), existing)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(content, indent=1) + "\n")
-    load(path)
+    tuned_configs.load(path)
     for item in swept:
         shape, best = item["shape"], item["best"]
         what = "no candidate ran" if best is None else (

@@ -54,7 +54,7 @@ class ExpertsAdapter:
     def install(self, layer: ExpertsLayer, model: torch.nn.Module, fn: ExpertsFunction) -> None:
         """Make calls of the experts module run `fn` (default: on the instance, standard interface).
 
-        Inputs may carry leading batch dims ([B, S, H] and [B * S, k]); the result has hidden's shape.
+        Inputs may carry leading batch dims ([P, T, H] and [P * T, k]); the result has hidden's shape.
         """
 
         def forward(self, hidden_states, top_k_index, top_k_weights):

@@ -1,6 +1,6 @@
 """One stacked projection of an experts module, dense or quantized, as the tensors that carry it.
 
-Legend: E = experts stored, N = output features of the projection, K = its input features.
+Legend: E = experts stored, N = output features of the projection, K = input features of the projection.
 
 Dense: `<name>` [E, N, K] ([E, K, N] when the module stores weights transposed).
 fp8 (transformers' FP8Experts, or a layer dwdp's loader laid out the same way): `<name>`

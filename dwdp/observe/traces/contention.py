@@ -1,6 +1,6 @@
 """Many-to-one source contention measured from copy records (docs/design.md 1.3).
 
-Legend: N = group size, C = contention degree of a pull = number of distinct destination ranks
+Legend: G = ranks (the group size), C = contention degree of a pull = number of distinct destination ranks
 whose pulls from the same source are in flight at once (the pull's own destination included).
 
 Measured two ways, from every peer copy with a known source:
@@ -8,7 +8,7 @@ Measured two ways, from every peer copy with a known source:
     at any time during it (copies of the same destination never count twice);
   - pull time: at each instant each in-flight pull sees C = distinct destinations on its source;
     P(C = c) is the share of total pull time spent at degree c.
-The random-pull expectation is contention_pmf(N): C = 1 + Binomial(N-2, 1/(N-1)).
+The random-pull expectation is contention_pmf(G): C = 1 + Binomial(G-2, 1/(G-1)).
 """
 from __future__ import annotations
 
@@ -29,12 +29,12 @@ class ContentionResult:
     group_size: int
     copies_by_degree: dict[int, int]            # per copy: how many copies saw degree C
     time_share_by_degree: dict[int, float]      # pull time share at degree C (sums to 1)
-    expected: dict[int, float]                  # random-pull P(C = c); empty when N < 2
+    expected: dict[int, float]                  # random-pull P(C = c); empty when G < 2
     per_source: dict[int, dict[int, int]] = field(default_factory=dict)  # source -> copies_by_degree
 
 
 def contention_pmf(group_size: int) -> np.ndarray:
-    """P(C = c) for c = 1 .. N-1 (index c-1): C = 1 + Binomial(N-2, 1/(N-1)). [N-1]"""
+    """P(C = c) for c = 1 .. G-1 (index c-1): C = 1 + Binomial(G-2, 1/(G-1)). [G-1]"""
     if group_size < 2:
         raise ValueError(f"group_size={group_size} must be >= 2: one rank has no peer to pull from")
     n, p = group_size - 2, 1.0 / (group_size - 1)

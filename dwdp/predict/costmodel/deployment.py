@@ -108,8 +108,8 @@ def formats(deploy: Deployment) -> tuple[WeightFormat, WeightFormat]:
 @dataclass(frozen=True)
 class ForwardShape:
     """Token counts of one forward per rank, the attention work they carry, for every attention window
-    of the model. tokens [S]; pairs[window], keys_read[window]: causal (query, key) pairs and K/V rows
-    read, [S]. S: scalar, [I] or [I, N]."""
+    of the model. tokens [X]; pairs[window], keys_read[window]: causal (query, key) pairs and K/V rows
+    read, [X]. X: scalar, [F] or [F, G]."""
 
     tokens: float | np.ndarray
     pairs: dict

@@ -1,11 +1,12 @@
 """One forward on one rank: per-layer operators, prefetch, all-to-all, and DWDP vs DEP.
 
-Legend: T = tokens per rank per forward, E = routed experts, L = local experts per rank, N = group
-size, M = MoE layers. Times in seconds, bytes in bytes.
+Legend: T = tokens per rank per forward, E = experts (routed) per MoE layer, L = local experts per
+rank, G = ranks (the group size), M = MoE layers, k = experts per token. Times in seconds, bytes in
+bytes.
 
 DWDP: the timeline of dwdp.predict.costmodel.timeline (copies issued when a buffer is released, compute
 slowed by the copies' interference, exposed waits where a copy is late).
-DEP:  compute on its E/N experts fed with T*k rows gathered from all ranks, plus dispatch and combine;
+DEP:  compute on its E/G experts fed with T*k rows gathered from all ranks, plus dispatch and combine;
 waiting under imbalance is the simulator's job (dwdp.predict.simulate).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dwdp.predict.costmodel.timeline import RankTimeline, dwdp_timeline
 @dataclass(frozen=True)
 class LayerCost:
     """Operator costs of layer `index` on one rank, in execution order. mlp: DWDP rank (all E
-    experts' weights read); mlp_dep: DEP rank (its E/N experts, fed with T*k rows from all ranks)."""
+    experts' weights read); mlp_dep: DEP rank (its E/G experts, fed with T*k rows from all ranks)."""
 
     index: int
     is_moe: bool
@@ -67,7 +68,7 @@ def layer_costs(spec: ModelSpec, hw: Hardware, work: Workload | ForwardShape, de
             attn = attention_ops(spec, hw, t, shape.pairs[window], shape.keys_read[window], dense, cal)
             if moe:
                 mlp = moe_ops(spec, hw, t, fmt, dense, spec.num_experts, cal=cal)
-                # Balanced routing: every DEP rank computes T*k rows drawn from all N ranks' tokens.
+                # Balanced routing: every DEP rank computes T*k rows drawn from all G ranks' tokens.
                 mlp_dep = moe_ops(spec, hw, t, fmt, dense, dep_held, routing_tokens=t * deploy.group_size, cal=cal)
             else:
                 mlp = mlp_dep = dense_mlp_ops(spec, hw, t, dense, cal)

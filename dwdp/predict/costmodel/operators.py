@@ -1,8 +1,9 @@
 """FLOPs, HBM bytes and time of every operator of one layer, in execution order.
 
-Legend: T = tokens per rank per forward, H = hidden size, I = routed-expert intermediate size,
-E = routed experts per MoE layer, k = experts per token, nh = query heads, nkv = key/value heads,
-d = head dim, A = ACT_BYTES, q = bytes of one activation element quantized for a GEMM (values + scales).
+Legend: T = tokens per rank per forward, H = hidden size, I = expert intermediate size (routed
+experts), E = experts (routed) per MoE layer, k = experts per token, Hq = query heads (`nh` in the
+code), Hkv = key / value heads (`nkv`), D = head dim (`d`), Ab = bytes of one activation element
+(ACT_BYTES), q = bytes of one activation element quantized for a GEMM (values + scales).
 Token counts may be numpy arrays (one entry per rank or per iteration): every formula is elementwise.
 
 Every operator belongs to one of the paper's kernel categories (Attention, GroupedGEMM, DenseGEMM,
@@ -177,7 +178,7 @@ def moe_ops(spec: ModelSpec, hw: Hardware, tokens, fmt: WeightFormat, dense: Wei
     """The MoE side of one layer: norm, router, shared experts, routed experts and their passes.
 
     tokens: this rank's tokens (router, shared experts). experts_held: experts whose GEMMs this rank
-    runs (DWDP: all E; DEP: its E/N). routed_tokens: token-expert rows it computes (default T*k).
+    runs (DWDP: all E; DEP: its E/G). routed_tokens: token-expert rows it computes (default T*k).
     routing_tokens: tokens whose routing spreads over those experts (default T; DEP: all ranks' tokens).
     """
     h, e, k, i = spec.hidden, spec.num_experts, spec.top_k, spec.moe_intermediate

@@ -1,7 +1,7 @@
 """One DWDP rank's forward in time: compute stream and copy engine side by side.
 
-Legend: M = MoE layers, B = prefetch buffers, S = shape of the token arrays (scalar, [I] or [I, N]).
-Times in seconds; every quantity is elementwise over S.
+Legend: M = MoE layers, B = prefetch slots (buffers), X = shape of the token arrays (scalar, [F] or [F, G]).
+Times in seconds; every quantity is elementwise over X.
 
 Schedule (what the reference implementation and dwdp.runtime.prefetch both do): MoE layer j reads buffer
 j % B; the copy of layer j into that buffer is issued when MoE layer j - B releases it (at the end
@@ -28,7 +28,7 @@ from dwdp.predict.costmodel.operators import WEIGHTS_NEEDED_BY, OpCost
 class RankTimeline:
     """One forward of one DWDP rank. category_s[c]: compute-stream time of kernel category c;
     merge_s: D2D merge copies; wait_s: exposed prefetch waits; copy_s: copy-engine busy time;
-    overlapped_s[c]: part of category c's time that ran beside copies. All [S]."""
+    overlapped_s[c]: part of category c's time that ran beside copies. All [X]."""
 
     category_s: dict
     merge_s: np.ndarray
@@ -54,7 +54,7 @@ def _run(base, compute_bound, busy_left, slowdown: CopySlowdown):
 def dwdp_timeline(layers: list[list[OpCost]], is_moe: list[bool], copy_s, slowdown: CopySlowdown,
                   merge: OpCost | None = None, num_buffers: int = 2) -> RankTimeline:
     """Walk one rank's forward. layers[l]: operators of layer l in execution order; copy_s: duration
-    of one MoE layer's prefetch (scalar or [S]); merge: the D2D copy run before each grouped GEMM
+    of one MoE layer's prefetch (scalar or [X]); merge: the D2D copy run before each grouped GEMM
     (None = the experts are read where they lie)."""
     num_moe = sum(is_moe)
     if num_buffers < 2:

@@ -1,7 +1,8 @@
 """DEP baseline: attention data parallel + expert parallel with two all-to-alls per MoE layer.
 
-Legend: T = tokens of this rank, k = experts per token, S = T * k token-expert pairs sent,
-R = rows received, G = ranks, E = experts, L = max experts per rank, H = hidden.
+Legend: T = tokens of this rank, k = experts per token, S = T * k token-expert pairs sent, R = rows
+an experts call computes (those this rank receives), G = ranks, E = experts, L = local experts of a
+rank (the most any rank owns), H = hidden.
 
 Rank r keeps experts [starts[r], starts[r+1]) of every MoE layer (a contiguous disjoint split).
 In each MoE layer, after the model's own router:

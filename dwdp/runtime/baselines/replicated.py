@@ -3,7 +3,7 @@
 This is the upper bound DWDP approaches: the same math with no prefetch and no barrier, at the
 price of holding all experts on every rank (`ReplicatedModel.memory` against `DWDPModel.memory`).
 
-Legend: T = tokens, k = experts per token, S = T * k, H = hidden, E = experts.
+Legend: T = tokens, k = experts per token, S = T * k token-expert pairs, H = hidden, E = experts.
 """
 from __future__ import annotations
 
