@@ -2,7 +2,7 @@
 resolves every view byte through `map_runs` onto plain byte tensors standing for each rank's segment
 and pool, applies the composite copy plan, and compares each view with the unwrapped experts' bytes.
 
-Legend: E = experts, G = ranks, g = granularity, nb = bytes of one expert's tensor.
+Legend: E = experts, G = ranks, g = granularity, nb[t] = bytes of one expert's tensor t.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@ plain `[E, ...]` tensor with no merge copy. Pure arithmetic; the backends map wh
 
 Legend: E = experts per layer, G = ranks, g = allocation granularity in bytes (host: the page size;
 CUDA: cuMemGetAllocationGranularity, usually 2 MiB), nb[t] = bytes of one expert's tensor t (its
-natural size, no padding: the view must be the unwrapped model's contiguous `[E, *shape]`), S = pool
-slots (prefetch buffers).
+natural size, no padding: the view must be the unwrapped model's contiguous `[E, *shape]`), B = prefetch
+slots (pool slots).
 
 View of (layer, t): `ceil(E * nb[t] / g)` pages; expert e is bytes [e * nb[t], (e + 1) * nb[t]).
 A *local run* is a maximal range [a, b) of consecutive experts the rank owns (a placement that wraps
