@@ -8,12 +8,20 @@ File layout: tensors `layers.{l}.keys` [1, Hkv, T, Dk] and `layers.{l}.values` [
 for every layer l, contiguous, in the model's dtype, holding positions 0 .. T-1 of the prompt
 (every layer holds every position, sliding-window layers included: a loader keeps what its cache
 keeps); string metadata records the format, the layout, the request, the layer count, the token
-count, the dtype, the positions, the model, the first token and how the prompt was prefilled
-(`forward`: "packed" or "padded"; `chunks`: its tokens per forward, comma-separated).
+count, the dtype, the positions, the model, the first token, how the prompt was prefilled
+(`forward`: "packed" or "padded"; `chunks`: its tokens per forward, comma-separated) and
+`prompt_sha256`, the digest of the prompt's token ids (`prompt_digest`), so a decode engine can
+refuse the KV of another prompt (dwdp.integrations.kv_transfer).
+
+An artifact is read back whole (`read_kv_artifact`) or checked from its header alone
+(`read_kv_header`: metadata, tensor shapes, whether the file is complete) before any tensor is read.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import struct
 from pathlib import Path
 
 import torch
@@ -24,10 +32,20 @@ KV_FORMAT = "dwdp-kv-v1"
 KV_LAYOUT = "layers.{l}.keys [1, kv_heads, tokens, key_dim]; layers.{l}.values [1, kv_heads, tokens, value_dim]"
 
 
-def artifact_metadata(rank: int, model: str, first_token_id: int, chunks: tuple[int, ...], forward: str) -> dict:
-    """The string metadata a worker adds to an artifact (see the module docstring)."""
-    return {"rank": rank, "model": model, "first_token_id": first_token_id, "positions": f"0..{sum(chunks) - 1}",
+def prompt_digest(ids) -> str:
+    """sha256 (hex) of token ids written as decimal numbers joined by commas: "5,17,9" for [5, 17, 9]."""
+    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
+
+
+def artifact_metadata(rank: int, model: str, first_token_id: int, chunks: tuple[int, ...], forward: str,
+                      prompt_ids=()) -> dict:
+    """The string metadata a worker adds to an artifact (see the module docstring); prompt_ids: the
+    prompt's token ids, recorded as their digest (left out when not given)."""
+    meta = {"rank": rank, "model": model, "first_token_id": first_token_id, "positions": f"0..{sum(chunks) - 1}",
             "chunks": ",".join(map(str, chunks)), "forward": forward}
+    if len(prompt_ids):
+        meta["prompt_sha256"] = prompt_digest(prompt_ids)
+    return meta
 
 
 def to_host(layers) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -52,7 +70,8 @@ def request_cache(cache, row: int, pad: int) -> list[tuple[torch.Tensor, torch.T
 
 def write_kv_artifact(directory: str | os.PathLike, request_id: str, layers, metadata: dict) -> dict:
     """Write `<directory>/<request_id>.safetensors` and return its descriptor: path, format,
-    num_layers, num_tokens, dtype, bytes and one {name, layer, kind, shape, dtype} per tensor.
+    num_layers, num_tokens, dtype, bytes, prompt_sha256 and model (when the metadata has them) and one
+    {name, layer, kind, shape, dtype} per tensor.
 
     The file appears atomically (written under a temporary name, then renamed), so a reader never
     sees half of one even if the worker dies mid-write.
@@ -73,8 +92,9 @@ def write_kv_artifact(directory: str | os.PathLike, request_id: str, layers, met
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=meta)
     os.replace(tmp, path)
+    named = {key: meta[key] for key in ("prompt_sha256", "model") if key in meta}
     return {"path": str(path), "format": KV_FORMAT, "num_layers": len(layers), "num_tokens": num_tokens,
-            "dtype": dtype, "bytes": path.stat().st_size, "tensors": entries}
+            "dtype": dtype, "bytes": path.stat().st_size, **named, "tensors": entries}
 
 
 def read_kv_artifact(path: str | os.PathLike) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:
@@ -86,3 +106,26 @@ def read_kv_artifact(path: str | os.PathLike) -> tuple[list[tuple[torch.Tensor, 
         layers = [(f.get_tensor(f"layers.{i}.keys"), f.get_tensor(f"layers.{i}.values"))
                   for i in range(int(meta["num_layers"]))]
     return layers, meta
+
+
+def read_kv_header(path: str | os.PathLike) -> tuple[dict, dict, int]:
+    """An artifact's header without reading a tensor: (string metadata, {tensor name: {"dtype",
+    "shape", "data_offsets"}}, the file size the header promises). A file shorter than that size was
+    cut (a copy that did not finish); ValueError for a file that is not a safetensors file at all."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ValueError(f"{path}: {len(head)} bytes, not a safetensors file")
+        (size,) = struct.unpack("<Q", head)
+        if size > 100 << 20:
+            raise ValueError(f"{path}: a header of {size} bytes, not a safetensors file")
+        raw = f.read(size)
+    if len(raw) < size:
+        raise ValueError(f"{path}: header cut at {len(raw)} of {size} bytes")
+    try:
+        header = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{path}: header is not JSON ({exc})") from None
+    meta = header.pop("__metadata__", None) or {}
+    end = max((info["data_offsets"][1] for info in header.values()), default=0)
+    return meta, header, 8 + size + end

@@ -162,7 +162,7 @@ def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[
         try:
             layers = request_cache(cache, row, pads[row])
             kv = write_kv_artifact(kv_dir, job.request_id, layers, artifact_metadata(
-                rank, model_name, first[row], (len(job.input_ids),), "padded"))
+                rank, model_name, first[row], (len(job.input_ids),), "padded", job.input_ids))
         except Exception as exc:
             results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
             continue
@@ -195,7 +195,7 @@ def run_packed(model, plan: list[tuple[InProgress, int]], rank: int, kv_dir: str
         job, t0 = state.job, time.monotonic()
         try:
             kv = write_kv_artifact(kv_dir, job.request_id, to_host(state.kv), artifact_metadata(
-                rank, model_name, first, tuple(state.chunks), "packed"))
+                rank, model_name, first, tuple(state.chunks), "packed", job.input_ids))
         except Exception as exc:
             results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
             continue
