@@ -1,0 +1,47 @@
+"""The cache-writing half of the vLLM connector: an artifact layer's rows into vLLM's paged KV cache.
+
+Legend: H = the artifact's kv heads, h = this worker's share of them (tensor parallelism), T = the
+artifact's tokens, n = tokens written, Dk / Dv = key / value head dims, B = tokens per block.
+
+Pages are written with the attention backend's own cache write (`impl.do_kv_cache_update`, the
+call vLLM's `unified_kv_cache_update` makes in every forward), never with an assumed layout: on the
+CPU backend that is `cpu_attn_reshape_and_cache` with the instruction set the backend picked (the
+order inside a page differs between AVX2, AVX-512 and AMX), on CUDA's flash-attention backend
+`reshape_and_cache_flash`. Whatever backend runs, the artifact's KV lands where that backend's
+forward would have put it.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def slot_mapping(block_ids: list[int], block_size: int, start: int, stop: int) -> torch.Tensor:
+    """Cache slot of each token position in [start, stop): block_ids[t // B] * B + t % B, [n] int64."""
+    positions = torch.arange(start, stop)                                   # [n]
+    blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]  # [n]
+    return blocks * block_size + positions % block_size
+
+
+def rows(tensor: torch.Tensor, heads: tuple[int, int], start: int, stop: int) -> torch.Tensor:
+    """Token-major rows [n, h, D] of an artifact tensor [1, H, T, D]: heads [heads[0], heads[1]),
+    positions [start, stop)."""
+    return tensor[0, heads[0]:heads[1], start:stop].transpose(0, 1).contiguous()  # [n, h, D]
+
+
+def head_share(num_kv_heads: int, tp_rank: int, tp_size: int) -> tuple[int, int]:
+    """[first, end) of the kv heads a tensor-parallel rank caches: an equal share, or one replicated
+    head when there are fewer heads than ranks (vLLM's split)."""
+    local = max(1, num_kv_heads // tp_size)
+    first = tp_rank * num_kv_heads // tp_size
+    return first, first + local
+
+
+def write_kv(attn_layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Write keys [n, h, Dk] and values [n, h, Dv] into the slots [n] of one layer's cache with the
+    layer's own backend op (vLLM's attention layer `attn_layer`, its cache tensor `kv_cache`)."""
+    if keys.shape[0] != slots.shape[0] or values.shape[0] != slots.shape[0]:
+        raise ValueError(f"{keys.shape[0]} key rows, {values.shape[0]} value rows for {slots.shape[0]} slots")
+    device = kv_cache.device
+    attn_layer.impl.do_kv_cache_update(attn_layer, keys.to(device), values.to(device), kv_cache,
+                                       slots.to(device))
