@@ -241,7 +241,7 @@ BAD_INPUTS = [
     ("body_not_object", "/v1/prefill", [5, 6], 400, "body"),
     ("wrong_model", "/v1/completions", {"model": "gpt-4", "prompt": [5], "max_tokens": 1}, 404, "model"),
     ("max_tokens_2", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "max_tokens": 2}, 400, "max_tokens"),
-    ("stream", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "stream": True}, 400, "stream"),
+    ("stream_not_bool", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "stream": "yes"}, 400, "stream"),
     ("empty_prompt", "/v1/completions", {"model": "dwdp-tiny", "prompt": []}, 400, "prompt"),
     ("prompt_over_vocab", "/v1/completions", {"model": "dwdp-tiny", "prompt": [[5], [9999]]}, 400, "prompt.1"),
     ("missing_prompt", "/v1/completions", {"model": "dwdp-tiny"}, 400, "prompt"),
