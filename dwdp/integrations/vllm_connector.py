@@ -70,6 +70,17 @@ class DWDPConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
 
 
+@dataclass
+class _Load:
+    """A load in progress on a worker: its artifact open, its slots [n], the layers not written yet."""
+
+    spec: LoadSpec
+    reader: Any
+    slots: torch.Tensor
+    left: set[str]
+    failed: bool = False
+
+
 def engine_kv(vllm_config: "VllmConfig", model: str | None) -> EngineKV:
     """What this engine caches per layer, to check artifacts against."""
     config = vllm_config.model_config
@@ -113,7 +124,7 @@ class DWDPConnector(KVConnectorBase_V1):
             self._loading: dict[str, tuple[ArtifactRef, set[int], int]] = {}  # -> (artifact, blocks, tokens)
             self._failed: set[str] = set()
         else:
-            self._active: list[tuple[LoadSpec, Any, torch.Tensor, set[str]]] = []
+            self._active: list[_Load] = []
             self._bad_blocks: set[int] = set()
             self._heads: tuple[int, int] | None = None
 
@@ -211,24 +222,25 @@ class DWDPConnector(KVConnectorBase_V1):
                 self._fail(spec, f"{type(exc).__name__}: {exc}")
                 continue
             slots = slot_mapping(spec.block_ids, self._block_size, spec.start, spec.stop)  # [n]
-            self._active.append((spec, reader, slots, set(layers)))
+            self._active.append(_Load(spec, reader, slots, set(layers)))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if not self._active:
             return
         layer = self._get_forward_layer(layer_name)
         index = layer_index(layer_name)
-        for spec, reader, slots, left in self._active:
-            if layer_name not in left:
+        for load in self._active:
+            if load.failed or layer_name not in load.left:
                 continue
-            left.discard(layer_name)
+            load.left.discard(layer_name)
+            spec = load.spec
             try:
-                keys, values = reader.layer(index)                                   # [1, H, T, D] each
+                keys, values = load.reader.layer(index)                                   # [1, H, T, D] each
                 heads = self._head_share(keys.shape[1])
                 write_kv(layer, layer.kv_cache, rows(keys, heads, spec.start, spec.stop),  # [n, h, Dk]
-                         rows(values, heads, spec.start, spec.stop), slots)               # [n, h, Dv]
+                         rows(values, heads, spec.start, spec.stop), load.slots)          # [n, h, Dv]
             except Exception as exc:
-                left.add("failed")
+                load.failed = True
                 self._fail(spec, f"layer {index}: {type(exc).__name__}: {exc}")
 
     @staticmethod
@@ -242,10 +254,10 @@ class DWDPConnector(KVConnectorBase_V1):
         return  # a consumer: it loads, never saves
 
     def wait_for_save(self):
-        for spec, reader, _, left in self._active:
-            if left and "failed" not in left:  # a layer whose attention never asked for its KV
-                self._fail(spec, f"layers {sorted(layer_index(n) for n in left)} were never written")
-            reader.close()
+        for load in self._active:
+            if load.left and not load.failed:  # a layer whose attention never asked for its KV
+                self._fail(load.spec, f"layers {sorted(layer_index(n) for n in load.left)} were never written")
+            load.reader.close()
         self._active = []
 
     def get_block_ids_with_load_errors(self) -> set[int]:
