@@ -107,3 +107,78 @@ def test_a_header_promises_the_file_size(tmp_path):
     assert size == os.path.getsize(desc["path"]) and meta["prompt_sha256"] == desc["prompt_sha256"]
     assert tensors["layers.0.keys"]["shape"] == [1, 2, 7, 32]
     check_header(pick_artifact([desc], PROMPT), ENGINE)
+
+
+# -- MLA: the latent, as vLLM and SGLang cache it --------------------------------------------------
+MLA_ENGINE = EngineKV(model="tiny-mla", num_layers=2, num_kv_heads=1, key_dim=24, value_dim=24,
+                      dtype="float32", latent_dim=32, rope_dim=16)
+
+
+@pytest.fixture(scope="module")
+def mla_cache():
+    """A tiny DeepSeek-V3's own cache of PROMPT (transformers caches MLA's latent: 32 + 16 per token per
+    layer here), and its latent layout."""
+    from dwdp.models.tiny import build_tiny_model
+    from dwdp.serve.kv import latent_layout
+
+    model = build_tiny_model("deepseek_v3", seed=0, hidden=64, intermediate=64, num_experts=4, top_k=2, num_layers=2,
+                             vocab=512)
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([PROMPT]), use_cache=True)
+    return [(layer.keys.clone(), layer.values.clone()) for layer in out.past_key_values.layers], \
+        latent_layout(model.config)
+
+
+def mla_artifact(tmp_path, mla_cache, request_id="pf-mla") -> tuple[dict, list]:
+    layers, latent = mla_cache
+    meta = artifact_metadata(0, "tiny-mla", 11, (len(PROMPT),), "packed", PROMPT, latent)
+    return write_kv_artifact(tmp_path, request_id, layers, meta), layers
+
+
+@pytest.mark.timeout(60)
+def test_an_mla_cache_is_written_as_its_latent_and_read_back_as_transformers_holds_it(tmp_path, mla_cache):
+    from dwdp.serve.kv import read_kv_artifact
+
+    desc, layers = mla_artifact(tmp_path, mla_cache)
+    assert desc["format"] == "dwdp-kv-mla-v1", desc
+    assert [(t["kind"], t["shape"]) for t in desc["tensors"][:2]] == [("latent", [1, 7, 32]), ("rope", [1, 7, 16])]
+    got, meta = read_kv_artifact(desc["path"])
+    assert meta["rope_layout"] == "interleaved" and meta["cache_rope"] == "halves" and meta["kv_lora_rank"] == "32"
+    for (k, v), (rk, rv) in zip(got, layers):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    ref = FileTransfer().check(params(desc), PROMPT + [11], MLA_ENGINE)
+    latent, rope = FileTransfer().open(ref).layer(0)
+    assert latent.shape == (1, 7, 32) and rope.shape == (1, 7, 16)
+
+
+@pytest.mark.timeout(10)
+def test_the_rope_dims_are_stored_as_interleaved_pairs():
+    """transformers ropes DeepSeek's interleaved pairs and caches them as two halves; the artifact holds
+    the pairs as vLLM's GPT-J-style rope computes them: x[2i], x[2i+1] rotated by angle i."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import apply_rotary_pos_emb_interleave
+
+    from dwdp.serve.kv import halve_pairs, interleave_halves
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 1, 5, 8, generator=gen)                                     # [B, 1, T, P]
+    angle = torch.rand(1, 5, 4, generator=gen) * 6                                 # [B, T, P / 2]
+    cos, sin = torch.cat([angle.cos()] * 2, dim=-1), torch.cat([angle.sin()] * 2, dim=-1)
+    _, halves = apply_rotary_pos_emb_interleave(x, x, cos, sin)
+    pairs = torch.empty_like(x)
+    pairs[..., 0::2] = x[..., 0::2] * angle.cos()[:, None] - x[..., 1::2] * angle.sin()[:, None]
+    pairs[..., 1::2] = x[..., 1::2] * angle.cos()[:, None] + x[..., 0::2] * angle.sin()[:, None]
+    torch.testing.assert_close(interleave_halves(halves), pairs, atol=1e-6, rtol=1e-6)
+    assert torch.equal(halve_pairs(interleave_halves(halves)), halves)
+
+
+@pytest.mark.timeout(60)
+def test_formats_and_engines_must_agree_on_mla(tmp_path, mla_cache):
+    mla, _ = mla_artifact(tmp_path, mla_cache)
+    plain = artifact(tmp_path)
+    with pytest.raises(Refused, match="holds an MLA latent"):
+        FileTransfer().check(params(mla), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "latent_dim": None,
+                                                              "rope_dim": None, "model": None}))
+    with pytest.raises(Refused, match="this engine runs MLA and caches the latent"):
+        FileTransfer().check(params(plain), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "model": None}))
+    with pytest.raises(Refused, match=r"layers.0.latent is \[1, 7, 32\], this engine caches \[1, 7, 512\]"):
+        FileTransfer().check(params(mla), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "latent_dim": 512}))

@@ -1,17 +1,19 @@
 """Where dwdp's KV travels to a decode engine, seen from the decode side: the transfer half of the
 connector (dwdp.integrations.vllm_connector writes what this reads into the engine's pages).
 
-Legend: H = cached (kv) heads, T = the artifact's prompt tokens, Dk / Dv = key / value head dims.
+Legend: H = cached (kv) heads, T = the artifact's prompt tokens, Dk / Dv = key / value head dims,
+R / P = MLA's kv_lora_rank / qk_rope_head_dim.
 
 Nothing here imports a decode engine, so the checks run (and are tested) anywhere. One request's
 life, on the engine's two sides:
   scheduler side  `check(params, prompt_ids, expected)`: picks the artifact of this prompt out of the
                   request's `kv_transfer_params` and checks its header (no tensor is read): present,
-                  complete, the format, the model, layers, heads, dims, dtype and the prompt's token
-                  ids (their digest). Any mismatch raises `Refused(reason)`: the engine recomputes.
+                  complete, the format (per-head keys and values, or MLA's latent for an MLA engine),
+                  the model, layers, heads, dims, dtype and the prompt's token ids (their digest). Any mismatch raises `Refused(reason)`: the engine recomputes.
                   `release(ref)` once the engine holds the KV: the artifact is removed.
   worker side     `open(ref)` -> `LayerReader`: `layer(l)` gives that layer's keys [1, H, T, Dk] and
-                  values [1, H, T, Dv], one layer at a time, as the engine's attention reaches it.
+                  values [1, H, T, Dv] (MLA: latent [1, T, R] and rope [1, T, P]), one layer at a time,
+                  as the engine's attention reaches it.
 
 `FileTransfer` reads files in a directory both servers see (/dev/shm on one node, a shared file
 system across nodes). Another transport (NIXL: RDMA reads from the prefill node's registered memory)
@@ -22,7 +24,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from dwdp.serve.kv import KV_FORMAT, prompt_digest, read_kv_header
+from dwdp.serve.kv import KV_FORMAT, KV_MLA_FORMAT, prompt_digest, read_kv_header
 
 # safetensors dtype names -> torch's (the ones an artifact is written in)
 _DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -39,6 +41,9 @@ class EngineKV:
     model: the model id an artifact must name (None: not checked); num_layers: decoder layers;
     num_kv_heads: cached heads of the whole model (before tensor parallelism); key_dim / value_dim:
     head dims; dtype: the dtype its cache writes take ("float32", "bfloat16", "float16").
+    latent_dim / rope_dim: an MLA engine's kv_lora_rank and qk_rope_head_dim (it caches the latent and
+    the roped shared key, rope dims in interleaved pairs, and takes `dwdp-kv-mla-v1` artifacts only);
+    None for an engine that caches per-head keys and values (`dwdp-kv-v1`).
     """
 
     model: str | None
@@ -47,6 +52,12 @@ class EngineKV:
     key_dim: int
     value_dim: int
     dtype: str
+    latent_dim: int | None = None
+    rope_dim: int | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.latent_dim is not None
 
 
 @dataclass(frozen=True)
@@ -95,8 +106,15 @@ def check_header(ref: ArtifactRef, expected: EngineKV) -> None:
         raise Refused(f"{ref.path}: not a readable artifact: {exc}") from None
     if size < promised:
         raise Refused(f"{ref.path} is truncated: {size} of {promised} bytes")
-    if meta.get("format") != KV_FORMAT:
-        raise Refused(f"{ref.path}: format {meta.get('format')!r}, this connector reads {KV_FORMAT!r}")
+    fmt = meta.get("format")
+    if expected.is_mla and fmt == KV_FORMAT:
+        raise Refused(f"{ref.path} holds per-head keys and values ({KV_FORMAT}); this engine runs MLA and caches "
+                      f"the latent ({KV_MLA_FORMAT})")
+    if not expected.is_mla and fmt == KV_MLA_FORMAT:
+        raise Refused(f"{ref.path} holds an MLA latent ({KV_MLA_FORMAT}); this engine caches per-head keys and "
+                      f"values ({KV_FORMAT})")
+    if fmt not in (KV_FORMAT, KV_MLA_FORMAT):
+        raise Refused(f"{ref.path}: format {fmt!r}, this connector reads {KV_FORMAT!r} and {KV_MLA_FORMAT!r}")
     if meta.get("prompt_sha256") != ref.prompt_sha256:
         raise Refused(f"{ref.path} holds the KV of another prompt (prompt_sha256 {meta.get('prompt_sha256')!r}, "
                       f"the request's is {ref.prompt_sha256!r})")
@@ -109,15 +127,24 @@ def check_header(ref: ArtifactRef, expected: EngineKV) -> None:
         raise Refused(f"{ref.path} holds {meta.get('num_tokens')} tokens, the request says {ref.num_tokens}")
     if meta.get("positions", f"0..{ref.num_tokens - 1}") != f"0..{ref.num_tokens - 1}":
         raise Refused(f"{ref.path}: positions {meta['positions']}, expected 0..{ref.num_tokens - 1}")
+    if expected.is_mla:
+        if meta.get("rope_layout") != "interleaved":
+            raise Refused(f"{ref.path}: rope dims laid out as {meta.get('rope_layout')!r}; this engine ropes "
+                          "interleaved pairs")
+        kinds = (("latent", [1, ref.num_tokens, expected.latent_dim], "[1, tokens, kv_lora_rank]"),
+                 ("rope", [1, ref.num_tokens, expected.rope_dim], "[1, tokens, qk_rope_head_dim]"))
+    else:
+        kinds = (("keys", [1, expected.num_kv_heads, ref.num_tokens, expected.key_dim], "[1, kv heads, tokens, head dim]"),
+                 ("values", [1, expected.num_kv_heads, ref.num_tokens, expected.value_dim],
+                  "[1, kv heads, tokens, head dim]"))
     for layer in range(layers):
-        for kind, dim in (("keys", expected.key_dim), ("values", expected.value_dim)):
+        for kind, want, legend in kinds:
             info = tensors.get(f"layers.{layer}.{kind}")
             if info is None:
                 raise Refused(f"{ref.path} has no layers.{layer}.{kind}")
-            want = [1, expected.num_kv_heads, ref.num_tokens, dim]
             if list(info["shape"]) != want:
                 raise Refused(f"{ref.path}: layers.{layer}.{kind} is {list(info['shape'])}, this engine caches "
-                              f"{want} ([1, kv heads, tokens, head dim])")
+                              f"{want} ({legend})")
             dtype = _DTYPES.get(info["dtype"], info["dtype"])
             if dtype != expected.dtype:
                 raise Refused(f"{ref.path}: dtype {dtype}, this engine's cache takes {expected.dtype}")
@@ -132,10 +159,14 @@ class LayerReader:
         self.path = path
         self._file = safe_open(path, framework="pt")
         self._handle = self._file.__enter__()
+        self.is_mla = (self._handle.metadata() or {}).get("format") == KV_MLA_FORMAT
+        self._kinds = ("latent", "rope") if self.is_mla else ("keys", "values")
 
     def layer(self, index: int):
-        """(keys [1, H, T, Dk], values [1, H, T, Dv]) of decoder layer `index`, on the CPU."""
-        return self._handle.get_tensor(f"layers.{index}.keys"), self._handle.get_tensor(f"layers.{index}.values")
+        """Decoder layer `index` on the CPU: (keys [1, H, T, Dk], values [1, H, T, Dv]), or for an MLA
+        artifact (latent [1, T, R], rope [1, T, P])."""
+        first, second = self._kinds
+        return self._handle.get_tensor(f"layers.{index}.{first}"), self._handle.get_tensor(f"layers.{index}.{second}")
 
     def close(self) -> None:
         self._file.__exit__(None, None, None)

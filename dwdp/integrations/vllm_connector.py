@@ -6,7 +6,8 @@ vLLM's v1 KV connector interface). vLLM loads it by module path; nothing is inst
         "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}'
 
 A completion request that carries dwdp's `kv_transfer_params` ({"kv_artifacts": [descriptor]}, what
-`dwdp serve` answers) loads that artifact's tokens into the blocks vLLM allocated for its prompt;
+`dwdp serve` answers) loads that artifact's tokens into the blocks vLLM allocated for its prompt
+(per-head keys and values, `dwdp-kv-v1`; on an MLA model, the latent and roped key, `dwdp-kv-mla-v1`);
 vLLM then computes only the prompt tokens past the artifact (at least the last one: it needs their
 logits). The artifact must be of this prompt (its token ids' digest), this model, layer count, head
 shape and dtype; anything else makes vLLM recompute the prompt, with one log line naming why
@@ -38,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 from vllm.logger import init_logger
 
 from dwdp.integrations.kv_transfer import ArtifactRef, EngineKV, FileTransfer, Refused
-from dwdp.integrations.vllm_pages import head_share, rows, slot_mapping, write_kv
+from dwdp.integrations.vllm_pages import head_share, rows, slot_mapping, write_kv, write_latent
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,12 +83,17 @@ class _Load:
 
 
 def engine_kv(vllm_config: "VllmConfig", model: str | None) -> EngineKV:
-    """What this engine caches per layer, to check artifacts against."""
+    """What this engine caches per layer, to check artifacts against (MLA: the latent and rope dims)."""
     config = vllm_config.model_config
     head = config.get_head_size()
     dtype = str(config.dtype).removeprefix("torch.")
+    latent = rope = None
+    if config.use_mla:
+        text = config.hf_text_config
+        latent, rope = int(text.kv_lora_rank), int(text.qk_rope_head_dim)
     return EngineKV(model=model, num_layers=config.get_total_num_hidden_layers(),
-                    num_kv_heads=config.get_total_num_kv_heads(), key_dim=head, value_dim=head, dtype=dtype)
+                    num_kv_heads=config.get_total_num_kv_heads(), key_dim=head, value_dim=head, dtype=dtype,
+                    latent_dim=latent, rope_dim=rope)
 
 
 def layer_index(layer_name: str) -> int:
@@ -111,10 +117,6 @@ class DWDPConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             model = extra.get("model") or os.path.basename(str(vllm_config.model_config.model).rstrip("/"))
             self._expected = engine_kv(vllm_config, model)
-            if vllm_config.model_config.use_mla:
-                logger.warning("dwdp connector: this model runs MLA, which caches a compressed latent; dwdp's "
-                               "%s artifacts hold decompressed keys and values: every request recomputes "
-                               "its prompt", "dwdp-kv-v1")
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 logger.warning("dwdp connector: kv_load_failure_policy is %r: a KV file that fails to read while "
                                "loading fails its request; set it to 'recompute' to recompute instead",
@@ -235,10 +237,14 @@ class DWDPConnector(KVConnectorBase_V1):
             load.left.discard(layer_name)
             spec = load.spec
             try:
-                keys, values = load.reader.layer(index)                                   # [1, H, T, D] each
-                heads = self._head_share(keys.shape[1])
-                write_kv(layer, layer.kv_cache, rows(keys, heads, spec.start, spec.stop),  # [n, h, Dk]
-                         rows(values, heads, spec.start, spec.stop), load.slots)          # [n, h, Dv]
+                first, second = load.reader.layer(index)
+                if load.reader.is_mla:  # latent [1, T, R], rope [1, T, P]: one latent, every head reads it
+                    write_latent(layer, layer.kv_cache, first[0, spec.start:spec.stop],      # [n, R]
+                                 second[0, spec.start:spec.stop], load.slots)                # [n, P]
+                else:                   # keys [1, H, T, Dk], values [1, H, T, Dv]
+                    heads = self._head_share(first.shape[1])
+                    write_kv(layer, layer.kv_cache, rows(first, heads, spec.start, spec.stop),   # [n, h, Dk]
+                             rows(second, heads, spec.start, spec.stop), load.slots)            # [n, h, Dv]
             except Exception as exc:
                 load.failed = True
                 self._fail(spec, f"layer {index}: {type(exc).__name__}: {exc}")

@@ -1,14 +1,16 @@
 """The cache-writing half of the vLLM connector: an artifact layer's rows into vLLM's paged KV cache.
 
 Legend: H = the artifact's kv heads, h = this worker's share of them (tensor parallelism), T = the
-artifact's tokens, n = tokens written, Dk / Dv = key / value head dims, B = tokens per block.
+artifact's tokens, n = tokens written, Dk / Dv = key / value head dims, B = tokens per block,
+R / P = MLA's kv_lora_rank / qk_rope_head_dim.
 
 Pages are written with the attention backend's own cache write (`impl.do_kv_cache_update`, the
 call vLLM's `unified_kv_cache_update` makes in every forward), never with an assumed layout: on the
 CPU backend that is `cpu_attn_reshape_and_cache` with the instruction set the backend picked (the
 order inside a page differs between AVX2, AVX-512 and AMX), on CUDA's flash-attention backend
-`reshape_and_cache_flash`. Whatever backend runs, the artifact's KV lands where that backend's
-forward would have put it.
+`reshape_and_cache_flash`; an MLA layer's (`write_latent`) takes the latent and the roped shared key
+(CPU MLA: a slot-indexed copy into [blocks, B, R + P]; CUDA: `concat_and_cache_mla`). Whatever
+backend runs, the artifact's KV lands where that backend's forward would have put it.
 """
 from __future__ import annotations
 
@@ -45,3 +47,14 @@ def write_kv(attn_layer, kv_cache: torch.Tensor, keys: torch.Tensor, values: tor
     device = kv_cache.device
     attn_layer.impl.do_kv_cache_update(attn_layer, keys.to(device), values.to(device), kv_cache,
                                        slots.to(device))
+
+
+def write_latent(attn_layer, kv_cache: torch.Tensor, latent: torch.Tensor, rope: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+    """Write MLA's latent [n, R] and roped shared key [n, P] into the slots [n] of one MLA layer's
+    cache with the layer's own backend op (what vLLM's MLAAttention.update_kv_cache calls)."""
+    if latent.shape[0] != slots.shape[0] or rope.shape[0] != slots.shape[0]:
+        raise ValueError(f"{latent.shape[0]} latent rows, {rope.shape[0]} rope rows for {slots.shape[0]} slots")
+    device = kv_cache.device
+    attn_layer.impl.do_kv_cache_update(latent.to(device), rope.unsqueeze(1).to(device), kv_cache, slots.to(device),
+                                       attn_layer.kv_cache_dtype, attn_layer._k_scale)
