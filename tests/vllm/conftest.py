@@ -104,10 +104,12 @@ def mla_checkpoint(tmp_path_factory) -> Path:
     return save_checkpoint(tmp_path_factory.mktemp("model") / "tiny-mla", "deepseek_v3")
 
 
-@pytest.fixture(scope="session")
-def kv_dir(tmp_path_factory) -> Path:
+@pytest.fixture(scope="module")
+def kv_dir(request, tmp_path_factory) -> Path:
+    """Where a module's dwdp serve writes its artifacts: /dev/shm (memory) where there is one."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
-    path = Path(tmp_path_factory.mktemp("kv")) if root is None else root / f"dwdp-vllm-stage-{os.getpid()}"
+    name = f"dwdp-vllm-stage-{os.getpid()}-{request.module.__name__}"
+    path = Path(tmp_path_factory.mktemp("kv")) if root is None else root / name
     path.mkdir(exist_ok=True)
     yield path
     for leftover in path.iterdir():
