@@ -104,7 +104,8 @@ def measure(args, name: str, url: str, runs: list, work: Path, repeat: int) -> N
         summary = aiperf(args, url, load, work / f"{name.replace('+', '_')}_{load.replace(':', '')}_{repeat}")
         ttft = summary["time_to_first_token"]
         runs.append({"setup": name, "repeat": repeat, "load": load, "load_avg_before": round(before, 2),
-                     "load_avg_after": round(os.getloadavg()[0], 2), "ttft_ms_avg": ttft["avg"], "ttft_ms_p50": ttft["p50"],
+                     "load_avg_after": round(os.getloadavg()[0], 2), "ttft_ms_avg": ttft["avg"],
+                     "ttft_ms_p50": ttft["p50"],
                      "ttft_ms_p99": ttft["p99"], "output_tokens_per_s": summary["output_token_throughput"]["avg"],
                      "requests_per_s": summary["request_throughput"]["avg"],
                      "itl_ms_avg": summary["inter_token_latency"]["avg"],
@@ -163,7 +164,8 @@ def main() -> int:
                 measure(args, "dwdp+vllm", f"http://127.0.0.1:{dport}", runs, work, repeat)
                 loaded = httpx.get(f"http://127.0.0.1:{vport}/metrics", timeout=10).text
                 external += [line for line in loaded.splitlines()
-                             if line.startswith("vllm:prompt_tokens_by_source_total") and "external_kv_transfer" in line]
+                             if line.startswith("vllm:prompt_tokens_by_source_total")
+                             and "external_kv_transfer" in line]
             finally:
                 stop(dwdp)
         finally:

@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-SHAPE = dict(hidden=128, intermediate=128, num_experts=8, top_k=2, num_layers=2, vocab=512, max_position_embeddings=4096)
+SHAPE = dict(hidden=128, intermediate=128, num_experts=8, top_k=2, num_layers=2, vocab=512,
+             max_position_embeddings=4096)
 FAMILIES = {
     "qwen3_moe": dict(num_key_value_heads=2),
     # DeepSeek-V3's own attention dims (smaller ones make vLLM's CPU MLA disagree with transformers), router
@@ -40,7 +41,8 @@ def save_tokenizer(path: str, vocab_size: int) -> None:
                             eos_token="[EOS]").save_pretrained(path)
 
 
-def save_tiny_checkpoint(path: str, family: str = "qwen3_moe", seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+def save_tiny_checkpoint(path: str, family: str = "qwen3_moe", seed: int = 0,
+                         dtype: torch.dtype = torch.float32) -> None:
     from dwdp.models.tiny import build_tiny_model
 
     model = build_tiny_model(family, seed=seed, dtype=dtype, **SHAPE, **FAMILIES[family])

@@ -120,7 +120,8 @@ def test_a_length_field_above_one_token_is_refused_naming_it(tmp_path, field, va
     r = _client(tmp_path).post("/v1/completions", json={"model": MODEL, "prompt": [5], field: value})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
-    assert error["param"] == field and f"{field}={value}" in error["message"] and "--decode-url" in error["message"], error
+    assert error["param"] == field and f"{field}={value}" in error["message"], error
+    assert "--decode-url" in error["message"], error
 
 
 @pytest.mark.timeout(30)
@@ -153,7 +154,8 @@ def test_a_completion_is_the_first_token_then_the_decode_servers_continuation(tm
 @pytest.mark.timeout(30)
 def test_a_decoded_stream_sends_dwdps_token_first_and_ends_with_done(tmp_path):
     r = _client(tmp_path, _Decoder()).post("/v1/completions", json={
-        "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}})
+        "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
     events = _sse(r.text)
     assert [e["choices"][0]["token_ids"] for e in events[:3]] == [[7], [101], [102]], events
     assert [e["choices"][0]["finish_reason"] for e in events[:3]] == [None, None, "length"], events

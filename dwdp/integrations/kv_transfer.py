@@ -9,7 +9,8 @@ life, on the engine's two sides:
   scheduler side  `check(params, prompt_ids, expected)`: picks the artifact of this prompt out of the
                   request's `kv_transfer_params` and checks its header (no tensor is read): present,
                   complete, the format (per-head keys and values, or MLA's latent for an MLA engine),
-                  the model, layers, heads, dims, dtype and the prompt's token ids (their digest). Any mismatch raises `Refused(reason)`: the engine recomputes.
+                  the model, layers, heads, dims, dtype and the prompt's token ids (their digest). Any
+                  mismatch raises `Refused(reason)`: the engine recomputes.
                   `release(ref)` once the engine holds the KV: the artifact is removed.
   worker side     `open(ref)` -> `LayerReader`: `layer(l)` gives that layer's keys [1, H, T, Dk] and
                   values [1, H, T, Dv] (MLA: latent [1, T, R] and rope [1, T, P]), one layer at a time,
@@ -134,9 +135,9 @@ def check_header(ref: ArtifactRef, expected: EngineKV) -> None:
         kinds = (("latent", [1, ref.num_tokens, expected.latent_dim], "[1, tokens, kv_lora_rank]"),
                  ("rope", [1, ref.num_tokens, expected.rope_dim], "[1, tokens, qk_rope_head_dim]"))
     else:
-        kinds = (("keys", [1, expected.num_kv_heads, ref.num_tokens, expected.key_dim], "[1, kv heads, tokens, head dim]"),
-                 ("values", [1, expected.num_kv_heads, ref.num_tokens, expected.value_dim],
-                  "[1, kv heads, tokens, head dim]"))
+        legend = "[1, kv heads, tokens, head dim]"
+        kinds = (("keys", [1, expected.num_kv_heads, ref.num_tokens, expected.key_dim], legend),
+                 ("values", [1, expected.num_kv_heads, ref.num_tokens, expected.value_dim], legend))
     for layer in range(layers):
         for kind, want, legend in kinds:
             info = tensors.get(f"layers.{layer}.{kind}")

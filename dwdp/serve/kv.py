@@ -20,9 +20,9 @@ rope order is known (`latent_layout`: DeepSeek-V3/R1 and Kimi-K2, DeepSeek-V2; t
 (`rope_layout` "interleaved": pairs (0, 1), (2, 3), ... as DeepSeek's weights lay them out and vLLM
 and SGLang cache them; DeepSeek-V3's transformers code rotates them as two halves, so its cache holds
 them de-interleaved and they are re-interleaved here); metadata adds `kv_lora_rank`, `rope_dim`,
-`rope_layout` and `cache_rope` (the order transformers caches them in). For DeepSeek-R1 that is 576 values per token per layer
-instead of 128 heads x (192 + 128) decompressed: 71x fewer bytes. `read_kv_artifact` hands both
-formats back as the transformers cache holds them.
+`rope_layout` and `cache_rope` (the order transformers caches them in). For DeepSeek-R1 that is 576
+values per token per layer instead of 128 heads x (192 + 128) decompressed: 71x fewer bytes.
+`read_kv_artifact` hands both formats back as the transformers cache holds them.
 
 An artifact is read back whole (`read_kv_artifact`) or checked from its header alone
 (`read_kv_header`: metadata, tensor shapes, whether the file is complete) before any tensor is read.
