@@ -242,6 +242,9 @@ class Completion:
         except DecodeError as exc:
             error = ServeError(exc.status, "decode_failed", str(exc))
             yield f"data: {json.dumps(error.body())}\n\n"
+        except Exception as exc:  # the status line has gone out: the error travels in the stream
+            error = ServeError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+            yield f"data: {json.dumps(error.body())}\n\n"
         self._count_tokens()
         if isinstance(options, dict) and options.get("include_usage"):
             yield self._chunk([], usage=self.usage())
