@@ -152,6 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "on a quiet machine), or shortest first within --fairness")
     serve.add_argument("--fairness", type=float, default=0.5,
                        help="shortest: a prompt queued this many seconds goes first whatever its length (default 0.5)")
+    _add_front_arguments(serve)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
     from dwdp.benchmarks.compare import add_arguments as add_compare_arguments
@@ -171,6 +172,33 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_trace_arguments(trace.add_subparsers(dest="trace", required=True))
     return parser
+
+
+def _add_front_arguments(serve) -> None:
+    """`dwdp serve`'s router settings: the decode hand-off, KV expiry and the API key (FrontConfig)."""
+    serve.add_argument("--decode-url", metavar="URL",
+                       help="decode server (vLLM with dwdp's KV connector) that continues every completion from its "
+                            "prefill KV: whole completions, streamed on stream=true (default: none, one token each)")
+    serve.add_argument("--decode-timeout", type=float, default=600.0,
+                       help="seconds to wait for the decode server's next token (default 600)")
+    serve.add_argument("--kv-ttl", type=float, default=600.0,
+                       help="seconds a KV artifact may wait to be loaded before it is removed; 0 keeps them until the "
+                            "server stops (default 600)")
+    serve.add_argument("--api-key", default=None,
+                       help="clients must send `Authorization: Bearer KEY` on /v1/* and /admin/* (default: "
+                            "DWDP_API_KEY, else no key); /health and /metrics stay open")
+
+
+def _front_config(args):
+    from dwdp import envs
+    from dwdp.serve.front import FrontConfig
+
+    try:
+        return FrontConfig(decode_url=args.decode_url, decode_api_key=envs.decode_api_key(),
+                           decode_timeout_s=args.decode_timeout, kv_ttl_s=args.kv_ttl or None,
+                           api_key=args.api_key if args.api_key is not None else envs.api_key())
+    except ValueError as exc:
+        raise SystemExit(f"dwdp serve: {exc}") from None
 
 
 def _int_list(flag: str, text: str, low: int) -> list[int]:
@@ -384,7 +412,7 @@ def _run(args) -> int:
             except NoGpu as exc:
                 print(exc, file=sys.stderr)
                 return 2
-        return run_server(config)
+        return run_server(config, _front_config(args))
     if args.command == "bench" and args.bench == "compare":
         from dwdp.benchmarks.compare import run_compare
 

@@ -17,6 +17,10 @@ ENV_VARS = {
     "DWDP_KERNEL_TMA": "1 reads the Triton experts kernel's tiles through TMA descriptors where the device and "
                        "the layout allow it; 0 never; unset: pointer loads unless the tiles ask for tma=True "
                        "(TMA is not yet measured at least as fast on a GPU)",
+    "DWDP_API_KEY": "`dwdp serve`'s API key when --api-key is not given: clients send `Authorization: Bearer <key>` "
+                    "on /v1/* (and /admin/*); /health and /metrics stay open",
+    "DWDP_DECODE_API_KEY": "the key `dwdp serve --decode-url URL` sends to the decode server (a vLLM started with "
+                           "--api-key)",
 }
 
 
@@ -74,3 +78,11 @@ def rejoin() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"DWDP_REJOIN={value!r} must be 0 or 1")
     return value == "1"
+
+
+def api_key() -> str | None:
+    return os.environ.get("DWDP_API_KEY") or None
+
+
+def decode_api_key() -> str | None:
+    return os.environ.get("DWDP_DECODE_API_KEY") or None

@@ -3,7 +3,7 @@ of a transport outside dwdp/runtime/transport/ is declared by the Transport cont
 once, in dwdp.runtime.transport.registry.
 
 Wings from the top down (a module may import its own wing and any wing below it):
-  top (dwdp, __main__, cli, demo) > benchmarks > serve > tune > predict > runtime > models > observe
+  top (dwdp, __main__, cli, demo) > benchmarks > integrations > serve > tune > predict > runtime > models > observe
   > kernels > leaves (envs, versions: read by every wing, import nothing of dwdp).
 Every import counts, including the ones inside functions.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = {"leaf": 0, "kernels": 1, "observe": 2, "models": 3, "runtime": 4, "predict": 5, "tune": 6, "serve": 7,
-         "benchmarks": 8, "top": 9}
+         "integrations": 8, "benchmarks": 9, "top": 10}
 TOP_MODULES = {"__init__", "__main__", "cli", "demo", "envs", "versions"}
 LEAVES = {"dwdp.envs", "dwdp.versions"}
 

@@ -109,8 +109,11 @@ def test_prefill_matches_unwrapped_model(server, reference, length):
     assert_kv_matches(body["kv"]["path"], layers)
     kv = body["kv"]
     assert kv["num_tokens"] == length and kv["dtype"] == "float32" and kv["num_layers"] == len(layers), kv
+    # The tiny preset is DeepSeek-V3-style: its cache holds MLA's latent, written as such.
+    assert kv["format"] == "dwdp-kv-mla-v1", kv
     recorded = {(t["layer"], t["kind"]): t["shape"] for t in kv["tensors"]}
-    assert recorded == {(i, kind): list(t.shape) for i, pair in enumerate(layers) for kind, t in zip(("keys", "values"), pair)}
+    assert recorded == {(i, kind): [1, *t.shape[2:]] for i, pair in enumerate(layers)
+                        for kind, t in zip(("latent", "rope"), pair)}
     assert body["timing"]["prefill_s"] > 0 and body["timing"]["queue_s"] >= 0, body["timing"]
 
 
@@ -241,7 +244,7 @@ BAD_INPUTS = [
     ("body_not_object", "/v1/prefill", [5, 6], 400, "body"),
     ("wrong_model", "/v1/completions", {"model": "gpt-4", "prompt": [5], "max_tokens": 1}, 404, "model"),
     ("max_tokens_2", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "max_tokens": 2}, 400, "max_tokens"),
-    ("stream", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "stream": True}, 400, "stream"),
+    ("stream_not_bool", "/v1/completions", {"model": "dwdp-tiny", "prompt": [5], "stream": "yes"}, 400, "stream"),
     ("empty_prompt", "/v1/completions", {"model": "dwdp-tiny", "prompt": []}, 400, "prompt"),
     ("prompt_over_vocab", "/v1/completions", {"model": "dwdp-tiny", "prompt": [[5], [9999]]}, 400, "prompt.1"),
     ("missing_prompt", "/v1/completions", {"model": "dwdp-tiny"}, 400, "prompt"),

@@ -15,6 +15,7 @@ import torch
 FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "olmoe")
 
 _TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+SPECIAL_TOKEN_IDS = dict(_TOKENS)  # of every tiny model (a server stops a decoded choice at eos)
 
 
 def _size_rules(hidden: int, intermediate: int, num_experts: int, top_k: int, num_layers: int, vocab: int) -> dict:

@@ -15,7 +15,7 @@ from dwdp.serve.kv import read_kv_artifact, write_kv_artifact
 __all__ = ["ServeConfig", "read_kv_artifact", "write_kv_artifact", "run_server"]
 
 
-def run_server(config: ServeConfig) -> int:
+def run_server(config: ServeConfig, front=None) -> int:
     from dwdp.serve.server import run_server as run
 
-    return run(config)
+    return run(config, front)

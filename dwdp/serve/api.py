@@ -1,6 +1,10 @@
 """The router's HTTP API (FastAPI): /v1/prefill, /v1/completions, /v1/models, /health, /metrics,
 and POST /admin/fault when the server was started with fault injection (chaos tests).
 
+/v1/completions answers one token per prompt, or whole completions (streamed on `stream=true`) when
+a decode server continues them (FrontConfig.decode_url; dwdp.serve.completions). With an API key
+(FrontConfig.api_key) every path but /health and /metrics asks for it (dwdp.serve.auth).
+
 Every error is JSON in the OpenAI shape {"error": {"message", "type", "param", "code"}}, with
 `param` naming the request field at fault; 429 and 503 carry Retry-After. An unknown path (such as
 /v1/chat/completions: this is a prefill server) is a 404 that lists the endpoints there are.
@@ -13,14 +17,22 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+
+from dwdp.serve.auth import BearerAuth
+from dwdp.serve.completions import Choice, Completion, lengths
 from dwdp.serve.config import prompt_limit
+from dwdp.serve.decode import DecodeClient, DecodeError
 from dwdp.serve.errors import ServeError
+from dwdp.serve.front import FrontConfig
+from dwdp.serve.kv_ledger import KVLedger
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
 from dwdp.serve.schemas import SAMPLING_NEUTRAL, CompletionRequest, FaultRequest, PrefillRequest
+
+RETRY_AFTER_S = 1
 
 
 class BodyLimit:
@@ -99,13 +111,24 @@ def _endpoints(app: FastAPI, config) -> list[str]:
     return out
 
 
-def create_app(pool, config, tokenizer=None) -> FastAPI:
+def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, ledger: KVLedger | None = None,
+               eos_ids: frozenset[int] = frozenset(), decode_transport=None) -> FastAPI:
     """The router app over a started WorkerPool. `pool.model_info` gives the vocabulary and the
     longest position; prompts up to `prompt_limit` are taken (longer than max_num_tokens: prefilled
-    in chunks), longer ones rejected."""
+    in chunks), longer ones rejected. front: the decode server, KV expiry and API key (default: none
+    of them); ledger: where written artifacts are recorded (default: one swept at each /metrics
+    scrape); eos_ids: the model's end tokens (a decoded choice stops at them); decode_transport: an
+    httpx transport for the decode client (tests)."""
+    front = front or FrontConfig()
     app = FastAPI(title="dwdp context server", version="0.1.0")
-    metrics = ServeMetrics(pool)
+    if front.api_key is not None:
+        app.add_middleware(BearerAuth, api_key=front.api_key)
+    ledger_swept_on_scrape = ledger is None
+    ledger = ledger or KVLedger(front.kv_ttl_s)
+    decode = DecodeClient(front, decode_transport) if front.decode_url else None
+    metrics = ServeMetrics(pool, ledger)
     app.state.metrics = metrics
+    app.state.ledger = ledger
     vocab = pool.model_info["vocab_size"]
     max_prompt, limit_name = prompt_limit(config, pool.model_info)
     worker_dwdp = config.worker_dwdp  # what every worker was started with (None in DEP mode)
@@ -168,6 +191,8 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
         result = await pool.submit(ids)
         ttft = time.monotonic() - arrival
         metrics.observe(result, ttft)
+        if result.kv.get("path"):
+            ledger.written(result.kv["path"])
         return result, ttft
 
     def timing(result, ttft: float) -> dict:
@@ -196,15 +221,17 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
         if body.model != config.model_name:
             raise ServeError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
                              f"{config.model_name!r}", param="model")
-        check_sampling(body.model_extra or {})
-        if body.max_tokens != 1:
-            raise ServeError(400, "invalid_request_error", f"max_tokens={body.max_tokens}: a context (prefill) "
-                             "server returns exactly one token; send max_tokens=1", param="max_tokens")
-        for name, value, allowed in (("stream", body.stream, False), ("echo", body.echo, False), ("n", body.n, 1),
-                                     ("logprobs", body.logprobs, None)):
+        fields = body.model_extra or {}
+        check_sampling(fields)
+        limits = lengths(body.max_tokens, fields, decode is not None)
+        for name, value, allowed in (("echo", body.echo, False), ("n", body.n, 1), ("logprobs", body.logprobs, None)):
             if value != allowed:
                 raise ServeError(400, "invalid_request_error", f"{name}={value!r} is not supported by this "
-                                 f"prefill server (only {allowed!r})", param=name)
+                                 f"server (only {allowed!r})", param=name)
+        stops = fields.get("stop_token_ids")
+        if stops is not None and not (isinstance(stops, list) and all(type(t) is int for t in stops)):
+            raise ServeError(400, "invalid_request_error", f"stop_token_ids={stops!r} must be a list of token ids",
+                             param="stop_token_ids")
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts = [tokenize(prompt, "prompt")]
@@ -215,20 +242,26 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
         else:
             prompts = [tokenize(p, f"prompt.{i}") if isinstance(p, str) else check_ids(p, f"prompt.{i}")
                        for i, p in enumerate(prompt)]
+        if decode is not None:
+            try:
+                served = await decode.served()
+            except DecodeError as exc:
+                raise ServeError(exc.status, "decode_unavailable", str(exc), retry_after=RETRY_AFTER_S) from None
+            longest = max(len(p) for p in prompts)
+            if served.max_model_len is not None and longest + limits.max_tokens > served.max_model_len:
+                raise ServeError(400, "context_length_exceeded", f"a prompt of {longest} tokens and max_tokens="
+                                 f"{limits.max_tokens} exceed the decode server's max_model_len="
+                                 f"{served.max_model_len}", param="max_tokens")
         answers = await asyncio.gather(*(prefill(ids) for ids in prompts))
-        choices, kv, usage = [], [], 0
-        for index, (result, ttft) in enumerate(answers):
-            text = tokenizer.decode([result.first_token_id]) if tokenizer is not None else ""
-            choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": "length",
-                            "token_ids": [result.first_token_id], "rank": result.rank,
-                            "timing": timing(result, ttft)})
-            kv.append({"request_id": result.request_id, **result.kv})
-            usage += result.prompt_tokens
-        return {"id": f"cmpl-{answers[0][0].request_id.removeprefix('pf-')}", "object": "text_completion",
-                "created": int(time.time()), "model": config.model_name, "choices": choices,
-                "usage": {"prompt_tokens": usage, "completion_tokens": len(choices),
-                          "total_tokens": usage + len(choices)},
-                "kv_transfer_params": {"kv_artifacts": kv}}
+        choices = [Choice(i, ids, result, timing(result, ttft)) for i, (ids, (result, ttft))
+                   in enumerate(zip(prompts, answers))]
+        completion = Completion(choices, limits, fields, config.model_name,
+                                f"cmpl-{answers[0][0].request_id.removeprefix('pf-')}", tokenizer, decode, eos_ids,
+                                ledger if decode is not None else None, metrics)
+        if body.stream:
+            return StreamingResponse(completion.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await completion.whole()
 
     @app.get("/v1/models")
     async def v1_models():
@@ -251,6 +284,8 @@ def create_app(pool, config, tokenizer=None) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus():
+        if ledger_swept_on_scrape:
+            ledger.sweep()
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from dwdp.serve.config import ServeConfig
+from dwdp.serve.kv import latent_layout
 from dwdp.serve.packcheck import worker_forwards
 from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
 from dwdp.serve.prefill import InProgress
@@ -154,7 +155,7 @@ def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, re
     comm_s = model.stats.comm_s  # inside the all-to-alls: own transfers plus waiting for the slowest rank
     model.stats.reset()          # a long-lived server keeps no per-call history
     answer_forward(out.past_key_values, first, batch, pads, int(ids.numel()), rank, kv_dir, model_name, results,
-                   started, ended - started, comm_s, outside_s)
+                   started, ended - started, comm_s, outside_s, latent_layout(model.config))
     return logits
 
 

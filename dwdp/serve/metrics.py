@@ -99,10 +99,34 @@ class _PoolCollector:
         yield redundancy
 
 
+class _LedgerCollector:
+    """KV artifacts by what became of them (dwdp.serve.kv_ledger), at scrape time."""
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+
+    def collect(self):
+        family = CounterMetricFamily("dwdp_serve_kv_artifacts", "KV artifacts written by the workers, loaded by the "
+                                     "decode side (removed by its connector), expired (removed unloaded after "
+                                     "--kv-ttl) and dropped (removed unloaded when no decode would read them)",
+                                     labels=["event"])
+        for event, count in self.ledger.counts().items():
+            family.add_metric([event], float(count))
+        yield family
+        yield GaugeMetricFamily("dwdp_serve_kv_artifacts_pending", "KV artifacts written and not yet loaded or "
+                                "removed", value=self.ledger.pending())
+
+
 class ServeMetrics:
-    def __init__(self, pool):
+    def __init__(self, pool, ledger=None):
         self.registry = CollectorRegistry()
         self.registry.register(_PoolCollector(pool))
+        if ledger is not None:
+            self.registry.register(_LedgerCollector(ledger))
+        self.decode = Histogram("dwdp_serve_decode_seconds", "decode request sent -> its last token (--decode-url)",
+                                buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.completion_tokens = Counter("dwdp_serve_completion_tokens", "tokens answered, the first ones included",
+                                         registry=self.registry)
         self.ttft = Histogram("dwdp_serve_ttft_seconds", "arrival at the router -> first token answered",
                               buckets=LATENCY_BUCKETS, registry=self.registry)
         self.queue = Histogram("dwdp_serve_queue_seconds", "queued at the router -> forward started",
@@ -116,6 +140,12 @@ class ServeMetrics:
         self.ttft.observe(ttft_s)
         self.queue.observe(max(0.0, result.queue_s))
         self.prefill.observe(result.prefill_s)
+
+    def observe_decode(self, seconds: float) -> None:
+        self.decode.observe(seconds)
+
+    def observe_completion(self, num_tokens: int) -> None:
+        self.completion_tokens.inc(num_tokens)
 
     def error(self, error_type: str) -> None:
         self.errors.labels(type=error_type).inc()

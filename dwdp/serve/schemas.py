@@ -15,20 +15,22 @@ class PrefillRequest(BaseModel):
 
 
 class CompletionRequest(BaseModel):
-    """POST /v1/completions, the prefill side of the OpenAI completions API: one greedy token.
+    """POST /v1/completions: one greedy token per prompt (a prefill server), or whole greedy
+    completions behind --decode-url (dwdp.serve.completions).
 
-    prompt: text, a list of token ids, or a list of either (one choice per prompt). The answer is the
-    greedy (argmax) first token, so a sampling field (SAMPLING_NEUTRAL) is accepted only at a value
-    under which sampling gives that token, and refused with 400 naming the field otherwise; fields
-    that cannot change it (user, seed, stop, ...) are accepted and ignored; `kv_transfer_params` is
-    accepted the way disaggregated proxies send it.
+    prompt: text, a list of token ids, or a list of either (one choice per prompt). The first token is
+    the greedy (argmax) one, so a sampling field (SAMPLING_NEUTRAL) is accepted only at a value under
+    which sampling gives that token, and refused with 400 naming the field otherwise; the length
+    fields (max_tokens, max_completion_tokens, min_tokens) are refused above what the server does;
+    `kv_transfer_params` is accepted the way disaggregated proxies send it. max_tokens None: 1 on a
+    prefill server, 16 when decoding (the API's default).
     """
 
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
-    max_tokens: StrictInt | None = 1
+    max_tokens: StrictInt | None = None
     stream: StrictBool = False
     echo: StrictBool = False
     n: StrictInt = 1

@@ -1,6 +1,7 @@
 """`dwdp serve`: bind the port, start the workers, serve HTTP until SIGINT/SIGTERM, drain, stop."""
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
@@ -8,7 +9,10 @@ import sys
 import tempfile
 import time
 
+from dwdp.serve.auth import is_loopback
 from dwdp.serve.config import ServeConfig
+from dwdp.serve.front import FrontConfig
+from dwdp.serve.kv_ledger import KVLedger
 from dwdp.serve.pool import StartupError, WorkerPool
 from dwdp.serve.preflight import PreflightError, preflight
 
@@ -21,9 +25,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def run_server(config: ServeConfig) -> int:
+def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
     """Serve until interrupted; returns the process exit code (2 for a model or tokenizer path that
-    does not load, 1 when a worker fails to start)."""
+    does not load, 1 when a worker fails to start). front: the decode server, KV expiry, API key."""
     import uvicorn
 
     from dwdp.serve.api import BodyLimit, create_app
@@ -37,8 +41,15 @@ def run_server(config: ServeConfig) -> int:
     # Bound next: a taken port fails before any worker is spawned, and --port 0 picks a free one.
     sock = _bind(config.host, config.port)
     host, port = sock.getsockname()[:2]
+    front = front or FrontConfig()
+    if front.api_key is None and not is_loopback(config.host):
+        print(f"dwdp serve: warning: bound to {config.host} without an API key: anyone who reaches the port can use "
+              "it (give --api-key or DWDP_API_KEY)", file=sys.stderr, flush=True)
+    if config.kv_dir is not None:
+        os.makedirs(config.kv_dir, exist_ok=True)
     kv_dir = config.kv_dir or tempfile.mkdtemp(prefix="dwdp-kv-")
     pool = WorkerPool(config, kv_dir)
+    ledger = KVLedger(front.kv_ttl_s).start()
     started = time.monotonic()
     try:
         pool.start()
@@ -52,13 +63,19 @@ def run_server(config: ServeConfig) -> int:
         devices = ", ".join(sorted({w.get("device", "?") for w in workers}))
         print(f"dwdp serve: ready in {time.monotonic() - started:.1f} s on {devices} (slowest warm-up "
               f"{warmup:.1f} s: kernels compiled before the first request)", flush=True)
-        app = BodyLimit(create_app(pool, config, tokenizer), config.max_body_bytes)
+        from dwdp.models.tiny import SPECIAL_TOKEN_IDS
+        from dwdp.serve.decode import eos_token_ids
+
+        eos = eos_token_ids(config.model, tokenizer, None if config.model else SPECIAL_TOKEN_IDS["eos_token_id"])
+        app = BodyLimit(create_app(pool, config, tokenizer, front, ledger, eos), config.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=int(config.drain_timeout_s)))
         print(f"dwdp serve: {config.ranks} {config.mode} workers ({config.model_name}, max_num_tokens "
               f"{config.max_num_tokens}, batch order {config.batch_order}) "
-              f"listening on http://{host}:{port}; KV artifacts in {kv_dir}", flush=True)
+              f"listening on http://{host}:{port}; KV artifacts in {kv_dir}"
+              + (f"; decode on {front.decode_url}" if front.decode_url else "")
+              + ("; API key required" if front.api_key else ""), flush=True)
         # uvicorn ends its loop gracefully on both signals, then re-raises them to these handlers;
         # they must return so the pool below drains and stops the workers.
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -67,6 +84,7 @@ def run_server(config: ServeConfig) -> int:
         return 0
     finally:
         pool.close()
+        ledger.close()
         sock.close()
         if config.kv_dir is None:
             shutil.rmtree(kv_dir, ignore_errors=True)

@@ -30,7 +30,7 @@ import torch
 
 from dwdp.runtime.failover import RankDegraded
 from dwdp.serve.config import ServeConfig
-from dwdp.serve.kv import artifact_metadata, request_cache, to_host, write_kv_artifact
+from dwdp.serve.kv import artifact_metadata, latent_layout, request_cache, to_host, write_kv_artifact
 from dwdp.serve.packcheck import worker_forwards
 from dwdp.serve.prefill import InProgress, advance
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
@@ -181,15 +181,16 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         gaps.end(ended)
     wait_s = model.stats.wait_s - wait_before
     answer_forward(out.past_key_values, first, batch, pads, int(ids.numel()), rank, kv_dir, model_name, results,
-                   started, ended - started, wait_s, outside_s)
+                   started, ended - started, wait_s, outside_s, latent_layout(model.config))
 
 
 def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[int], batch_tokens: int, rank: int,
                    kv_dir: str, model_name: str, results, started: float, prefill_s: float, wait_s: float,
-                   outside_s: float | None = None) -> None:
+                   outside_s: float | None = None, latent=None) -> None:
     """After a forward over `batch` that started at `started`: BatchDone, then one PrefillResult
     (or PrefillError) per job, with its KV artifact cut from `cache`; `first`: [P] first tokens;
-    outside_s: the rank's time outside forwards before this one (ForwardGaps)."""
+    outside_s: the rank's time outside forwards before this one (ForwardGaps); latent: the model's MLA
+    latent layout (dwdp.serve.kv.latent_layout), if any."""
     real = sum(len(job.input_ids) for job in batch)
     results.put(BatchDone(rank, len(batch), batch_tokens, prefill_s, wait_s, real,
                           tuple((job.request_id, len(job.input_ids)) for job in batch), outside_s))
@@ -198,7 +199,7 @@ def answer_forward(cache, first: list[int], batch: list[PrefillJob], pads: list[
         try:
             layers = request_cache(cache, row, pads[row])
             kv = write_kv_artifact(kv_dir, job.request_id, layers, artifact_metadata(
-                rank, model_name, first[row], (len(job.input_ids),), "padded"))
+                rank, model_name, first[row], (len(job.input_ids),), "padded", job.input_ids, latent))
         except Exception as exc:
             results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
             continue
@@ -235,7 +236,7 @@ def run_packed(model, plan: list[tuple[InProgress, int]], rank: int, kv_dir: str
         job, t0 = state.job, time.monotonic()
         try:
             kv = write_kv_artifact(kv_dir, job.request_id, to_host(state.kv), artifact_metadata(
-                rank, model_name, first, tuple(state.chunks), "packed"))
+                rank, model_name, first, tuple(state.chunks), "packed", job.input_ids, latent_layout(model.config)))
         except Exception as exc:
             results.put(PrefillError(job.request_id, rank, "kv_write_failed", f"rank {rank}: {exc!r}"))
             continue

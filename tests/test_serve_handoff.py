@@ -1,0 +1,305 @@
+"""The router's side of disaggregated serving, in process over a stand-in pool and a stand-in decode
+server (no worker, no vLLM): one-token streams, the length fields, whole and streamed completions
+behind --decode-url, API keys, and the KV ledger. The same paths against a real vLLM: tests/vllm/."""
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from dwdp.serve.kv import prompt_digest
+from dwdp.serve.kv_ledger import KVLedger
+from dwdp.serve.protocol import PrefillResult
+
+MODEL = "dwdp-tiny"
+EOS = 2
+DECODED = [101, 102, 103, 104, 105, 106]  # what the stand-in decode server continues with, in order
+
+
+class _Pool:
+    """What create_app reads from a WorkerPool; every prompt's first token is `first`, its KV a file in `kv_dir`."""
+
+    def __init__(self, kv_dir, first: int = 7):
+        self.model_info = {"vocab_size": 512, "max_position_embeddings": 4096, "forwards": "packed",
+                           "padded_reason": ""}
+        self.kv_dir, self.first, self.count = kv_dir, first, 0
+
+    def snapshot(self) -> dict:
+        return {"status": "ok", "mode": "dwdp", "workers": [], "in_flight": 0, "retried": 0, "failed": 0,
+                "redundancy": [], "tokens_per_s": 0.0}
+
+    async def submit(self, ids):
+        self.count += 1
+        path = self.kv_dir / f"pf-{self.count}.safetensors"
+        path.write_bytes(b"kv")
+        return PrefillResult(request_id=f"pf-{self.count}", rank=0, first_token_id=self.first, prompt_tokens=len(ids),
+                             queue_s=0.0, prefill_s=0.0, kv_write_s=0.0, batch_size=1, batch_tokens=len(ids),
+                             prefetch_wait_s=0.0, kv={"path": str(path), "num_tokens": len(ids),
+                                                      "prompt_sha256": prompt_digest(ids)})
+
+
+class _Decoder:
+    """A stand-in decode server (httpx transport): /v1/models, and /v1/completions streaming DECODED[:max_tokens]
+    (cut before [DONE], or with an error event, when asked to). Records every completion request's body."""
+
+    def __init__(self, max_model_len: int = 2048, cut: bool = False, error: bool = False, status: int = 200):
+        self.max_model_len, self.cut, self.error, self.status = max_model_len, cut, error, status
+        self.bodies: list[dict] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "decoder", "max_model_len": self.max_model_len}]})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        if self.status != 200:
+            return httpx.Response(self.status, json={"error": {"message": "refused"}})
+        tokens = DECODED[:body["max_tokens"]]
+        events = []
+        for i, token in enumerate(tokens):
+            finish = "length" if i == len(tokens) - 1 else None
+            events.append({"choices": [{"index": 0, "text": f" d{token}", "token_ids": [token],
+                                        "finish_reason": finish}]})
+            if self.error and i == 0:
+                events.append({"error": {"message": "engine died", "code": 500}})
+                break
+        events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(tokens),
+                                                "prompt_tokens_details": {"cached_tokens": len(body["prompt"]) - 1}}})
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + ("" if self.cut else "data: [DONE]\n\n")
+        return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
+
+
+def _client(tmp_path, decoder: _Decoder | None = None, api_key: str | None = None, first: int = 7):
+    from fastapi.testclient import TestClient
+
+    from dwdp.serve.api import create_app
+    from dwdp.serve.config import ServeConfig
+    from dwdp.serve.front import FrontConfig
+
+    front = FrontConfig(decode_url="http://decoder:8100" if decoder else None, api_key=api_key)
+    pool = _Pool(tmp_path, first)
+    app = create_app(pool, ServeConfig(), None, front, eos_ids=frozenset({EOS}),
+                     decode_transport=httpx.MockTransport(decoder) if decoder else None)
+    return TestClient(app)
+
+
+def _sse(text: str) -> list:
+    """The data of each server-sent event, parsed ("[DONE]" kept as it is)."""
+    datas = [line[len("data: "):] for line in text.split("\n\n") if line.startswith("data: ")]
+    return [d if d == "[DONE]" else json.loads(d) for d in datas]
+
+
+# -- a prefill server (no --decode-url) ------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_a_one_token_stream_ends_with_done_and_carries_the_kv(tmp_path):
+    r = _client(tmp_path).post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1,
+                                                          "stream": True, "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream"), r.text
+    assert r.text.endswith("data: [DONE]\n\n"), r.text
+    chunk, usage, done = _sse(r.text)
+    assert chunk["choices"][0]["token_ids"] == [7] and chunk["choices"][0]["finish_reason"] == "length", chunk
+    assert chunk["kv_transfer_params"]["kv_artifacts"][0]["num_tokens"] == 3, chunk
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 1, usage
+    assert done == "[DONE]"
+
+
+@pytest.mark.timeout(30)
+def test_the_openai_client_streams_the_first_token(tmp_path):
+    import openai
+
+    client = _client(tmp_path)
+    oai = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=client)
+    chunks = list(oai.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=1, stream=True))
+    assert [c.choices[0].model_extra["token_ids"] for c in chunks] == [[7]], chunks
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("field, value", [("max_tokens", 2), ("max_completion_tokens", 2), ("min_tokens", 2)])
+def test_a_length_field_above_one_token_is_refused_naming_it(tmp_path, field, value):
+    r = _client(tmp_path).post("/v1/completions", json={"model": MODEL, "prompt": [5], field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field and f"{field}={value}" in error["message"], error
+    assert "--decode-url" in error["message"], error
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fields", [{"max_completion_tokens": 1}, {"min_tokens": 1}, {"ignore_eos": True},
+                                    {"max_tokens": 1, "max_completion_tokens": 1}])
+def test_length_fields_within_one_token_are_accepted(tmp_path, fields):
+    r = _client(tmp_path).post("/v1/completions", json={"model": MODEL, "prompt": [5], **fields})
+    assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == [7], r.text
+
+
+# -- behind --decode-url ---------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_a_completion_is_the_first_token_then_the_decode_servers_continuation(tmp_path):
+    decoder = _Decoder()
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 4,
+                                                                  "ignore_eos": True, "stop": ["x"]})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [7, 101, 102, 103] and choice["finish_reason"] == "length", choice
+    assert choice["decode"] == {"prompt_tokens_loaded": 3}, choice
+    assert r.json()["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, r.json()
+    (body,) = decoder.bodies
+    assert body["prompt"] == [5, 6, 7, 7] and body["max_tokens"] == 3 and body["temperature"] == 0, body
+    assert body["ignore_eos"] is True and body["stop"] == ["x"] and body["model"] == "decoder", body
+    (artifact,) = body["kv_transfer_params"]["kv_artifacts"]
+    assert artifact["prompt_sha256"] == prompt_digest([5, 6, 7]) and artifact["num_tokens"] == 3, artifact
+    assert list(tmp_path.iterdir()) == []  # the router removed the artifact once the decode finished
+
+
+@pytest.mark.timeout(30)
+def test_a_decoded_stream_sends_dwdps_token_first_and_ends_with_done(tmp_path):
+    r = _client(tmp_path, _Decoder()).post("/v1/completions", json={
+        "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "stream": True,
+        "stream_options": {"include_usage": True}})
+    events = _sse(r.text)
+    assert [e["choices"][0]["token_ids"] for e in events[:3]] == [[7], [101], [102]], events
+    assert [e["choices"][0]["finish_reason"] for e in events[:3]] == [None, None, "length"], events
+    assert events[3]["usage"]["completion_tokens"] == 3 and events[4] == "[DONE]", events
+
+
+@pytest.mark.timeout(30)
+def test_several_prompts_stream_side_by_side(tmp_path):
+    r = _client(tmp_path, _Decoder()).post("/v1/completions", json={"model": MODEL, "prompt": [[5, 6], [8, 9, 10]],
+                                                                     "max_tokens": 2, "stream": True})
+    events = _sse(r.text)
+    tokens = {0: [], 1: []}
+    for e in events[:-1]:
+        tokens[e["choices"][0]["index"]] += e["choices"][0]["token_ids"]
+    assert tokens == {0: [7, 101], 1: [7, 101]} and events[-1] == "[DONE]", events
+
+
+@pytest.mark.timeout(30)
+def test_an_end_token_first_ends_the_choice_without_a_decode(tmp_path):
+    decoder = _Decoder()
+    r = _client(tmp_path, decoder, first=EOS).post("/v1/completions", json={"model": MODEL, "prompt": [5],
+                                                                             "max_tokens": 5})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [EOS] and choice["finish_reason"] == "stop" and decoder.bodies == [], choice
+    assert list(tmp_path.iterdir()) == []  # no decode reads it: dropped
+    r = _client(tmp_path, decoder, first=EOS).post("/v1/completions", json={"model": MODEL, "prompt": [5],
+                                                                             "max_tokens": 2, "ignore_eos": True})
+    assert r.json()["choices"][0]["token_ids"] == [EOS, 101], r.json()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("decoder, says", [(_Decoder(cut=True), "ended without [DONE]"),
+                                           (_Decoder(error=True), "engine died")], ids=["no_done", "error_event"])
+def test_a_decode_that_breaks_off_after_the_first_token_ends_in_an_error_event(tmp_path, decoder, says):
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 4,
+                                                                  "stream": True})
+    events = _sse(r.text)
+    assert events[0]["choices"][0]["token_ids"] == [7], events
+    assert says in events[-2]["error"]["message"] and events[-1] == "[DONE]", events
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 4})
+    assert r.status_code == 502 and says in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.timeout(30)
+def test_a_decode_server_refusal_keeps_its_status(tmp_path):
+    r = _client(tmp_path, _Decoder(status=400)).post("/v1/completions", json={"model": MODEL, "prompt": [5],
+                                                                                "max_tokens": 4})
+    assert r.status_code == 400 and "refused" in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("fields, status, param", [
+    ({"max_tokens": 2000}, 400, "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
+    ({"max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"), ({"temperature": 0.7}, 400,
+                                                                                     "temperature")])
+def test_decoding_refuses_lengths_beyond_the_decode_server_naming_the_field(tmp_path, fields, status, param):
+    decoder = _Decoder(max_model_len=100)
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5] * 10, **fields})
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
+    assert decoder.bodies == []
+
+
+@pytest.mark.timeout(30)
+def test_max_completion_tokens_and_min_tokens_reach_the_decode_server(tmp_path):
+    decoder = _Decoder()
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5], "min_tokens": 3,
+                                                                  "max_completion_tokens": 5})
+    assert len(r.json()["choices"][0]["token_ids"]) == 5, r.text
+    assert decoder.bodies[0]["max_tokens"] == 4 and decoder.bodies[0]["min_tokens"] == 2, decoder.bodies
+
+
+# -- API keys --------------------------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_an_api_key_closes_v1_and_leaves_health_and_metrics_open(tmp_path):
+    client = _client(tmp_path, api_key="sekret")
+    body = {"model": MODEL, "prompt": [5], "max_tokens": 1}
+    for headers, why in (({}, "no Authorization header"), ({"Authorization": "Bearer wrong"}, "a wrong API key"),
+                         ({"Authorization": "sekret"}, "a wrong API key")):
+        r = client.post("/v1/completions", json=body, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", r.text
+        error = r.json()["error"]
+        assert error["code"] == 401 and error["type"] == "authentication_error" and why in error["message"], error
+        assert "sekret" not in r.text
+    assert client.get("/v1/models").status_code == 401
+    assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert client.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
+    assert client.get("/metrics").status_code == 200
+    assert client.get("/health").status_code != 401
+
+
+@pytest.mark.timeout(60)
+def test_a_server_bound_beyond_loopback_without_a_key_warns_at_start(tmp_path, monkeypatch, capfd):
+    import tempfile
+
+    from dwdp.cli import main
+    from dwdp.serve.pool import WorkerPool
+
+    class Stop(Exception):
+        pass
+
+    def no_workers(self):
+        raise Stop()
+
+    monkeypatch.setattr(WorkerPool, "start", no_workers)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("DWDP_API_KEY", raising=False)
+    for host, key, warned in (("0.0.0.0", [], True), ("127.0.0.1", [], False), ("0.0.0.0", ["--api-key", "k"], False)):
+        with pytest.raises(Stop):
+            main(["serve", "--host", host, "--port", "0", *key])
+        err = capfd.readouterr().err
+        assert ("without an API key" in err) == warned, (host, key, err)
+
+
+# -- the KV ledger ---------------------------------------------------------------------------------
+@pytest.mark.timeout(10)
+def test_the_ledger_counts_loaded_expired_and_dropped_artifacts(tmp_path):
+    now = [0.0]
+    ledger = KVLedger(ttl_s=10.0, clock=lambda: now[0])
+    paths = [tmp_path / f"a{i}.safetensors" for i in range(4)]
+    for p in paths:
+        p.write_bytes(b"kv")
+        ledger.written(str(p))
+    ledger.written("/dev/null")  # not an artifact: never tracked, never removed
+    paths[0].unlink()            # the decode side loaded it
+    ledger.drop(str(paths[1]))   # no decode will read it
+    now[0] = 5.0
+    ledger.sweep()
+    assert ledger.counts() == {"written": 4, "loaded": 1, "expired": 0, "dropped": 1} and ledger.pending() == 2
+    now[0] = 10.5
+    ledger.sweep()
+    assert ledger.counts() == {"written": 4, "loaded": 1, "expired": 2, "dropped": 1} and ledger.pending() == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(10)
+def test_the_ledger_sweeps_in_its_own_thread(tmp_path):
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(b"kv")
+    ledger = KVLedger(ttl_s=0.05, interval_s=0.01).start()
+    try:
+        ledger.written(str(path))
+        deadline = time.monotonic() + 5
+        while path.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not path.exists() and ledger.counts()["expired"] == 1, ledger.counts()
+    finally:
+        ledger.close()

