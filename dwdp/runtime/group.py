@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dwdp import envs
+from dwdp.runtime.processes import descendants, kill_pids
 
 
 @dataclass
@@ -174,11 +175,11 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
         ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results, dict(env or {})), daemon=False)
         for r in range(nprocs)
     ]
-    for p in procs:
-        p.start()
     values: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(values) < nprocs:
             try:
                 rank, ok, value = results.get(timeout=0.5)
@@ -205,10 +206,19 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        _stop_ranks(procs)
     return [values[r] for r in range(nprocs)]
+
+
+def _stop_ranks(procs) -> None:
+    """Stop every started rank still running, and first whatever it started itself (a rank waiting on
+    a child it spawned would otherwise leave that child behind as an orphan)."""
+    started = [p for p in procs if p.pid is not None]
+    kill_pids(pid for p in started if p.is_alive() for pid in descendants(p.pid))
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
