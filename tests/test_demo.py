@@ -5,6 +5,8 @@ import sys
 
 import pytest
 
+from procs import run
+
 
 # Demo model: 16 experts of gate_up [512, 256] + down [256, 256] fp32 in each of 4 MoE layers; a rank
 # of 2 keeps 8 and pulls 8 per layer. With 2 slots and 4 MoE layers every layer visit refills a slot.
@@ -16,10 +18,10 @@ DEMO_BYTES_PER_FORWARD = 4 * 8 * DEMO_EXPERT_BYTES
 def test_demo_runs_and_every_rank_matches(tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "demo.json"
     shm.mkdir()
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "dwdp", "demo", "--ranks", "2", "--prompts", "2", "--max-len", "12", "--repeats", "1",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(shm), "PATH": "/usr/bin:/bin"},
+        timeout=170, env={"DWDP_SHM_DIR": str(shm), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 ranks match the unwrapped model" in proc.stdout, proc.stdout
@@ -42,10 +44,10 @@ def test_cli_rejects_bad_rank_count():
 
 @pytest.mark.timeout(180)
 def test_demo_on_another_family(tmp_path):
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "dwdp", "demo", "--family", "gpt_oss", "--ranks", "2", "--prompts", "1", "--max-len", "8",
          "--repeats", "1"],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny gpt_oss model" in proc.stdout and "2/2 ranks match the unwrapped model" in proc.stdout, proc.stdout
@@ -64,10 +66,10 @@ DEMO_FP8_EXPERT_BYTES = (512 * 256 + 256 * 256) + (4 * 2 * 4) + (2 * 2 * 4)
 @pytest.mark.timeout(180)
 def test_demo_fp8_matches_and_moves_fp8_bytes(tmp_path):
     out = tmp_path / "demo.json"
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "dwdp", "demo", "--dtype", "fp8", "--ranks", "2", "--prompts", "1", "--max-len", "8",
          "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fp8 (128 x 128 block scales) experts" in proc.stdout and "2/2 ranks match" in proc.stdout, proc.stdout
