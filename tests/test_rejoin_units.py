@@ -336,3 +336,21 @@ def test_a_server_sweeps_boards_its_stopped_workers_left(tmp_path, monkeypatch):
     pool = WorkerPool(ServeConfig(ranks=1), str(tmp_path / "kv"))  # never started: close stops nobody
     pool.close()
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_the_chaos_bench_fails_a_case_whose_survivors_re_plan_more_than_once_per_loss(monkeypatch):
+    """bench/chaos.py counts each survivor's re-plans from the fault to the end: one per loss, none
+    for a stall; a lost rank taken back and lost again shows as more, and fails the run."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    chaos = importlib.import_module("chaos")
+    health = lambda replans: {"workers": [{"rank": r, "replans": n} for r, n in enumerate(replans)]}
+    row = lambda case, after, rejoins: {"case": case, "survivor_replans": chaos.replans_since(
+        health([0, 0, 0]), health(after), [0, 2]), "survivors_after": {0: {"peer_rejoins": rejoins}, 2: {"peer_rejoins": {}}}}
+    assert chaos.unexpected_replans(row("unreadable", [1, 0, 1], {})) is None
+    assert chaos.unexpected_replans(row("stall", [0, 0, 0], {})) is None
+    flap = chaos.unexpected_replans(row("unreadable", [7, 0, 1], {1: 3}))
+    assert flap is not None and "re-planned {0: 7} times" in flap and "{0: {1: 3}, 2: {}}" in flap, flap
+    assert "expected 0 each" in chaos.unexpected_replans(row("stall", [1, 0, 0], {}))
