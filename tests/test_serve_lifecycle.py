@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -37,14 +38,16 @@ def mapped_inodes() -> set[int]:
 
 
 def unmapped(names: set[str]) -> set[str]:
-    """The entries of `names` still in /dev/shm that no live process maps: leaked ones."""
+    """The files of `names` still in /dev/shm that no live process maps: leaked ones. Directories are
+    not the server's (its segments go to its own DWDP_SHM_DIR): another test process made them."""
     live, left = mapped_inodes(), set()
     for name in names:
         try:
-            if os.stat(f"/dev/shm/{name}").st_ino not in live:
-                left.add(name)
+            info = os.stat(f"/dev/shm/{name}")
         except FileNotFoundError:
             continue
+        if not stat.S_ISDIR(info.st_mode) and info.st_ino not in live:
+            left.add(name)
     return left
 
 
