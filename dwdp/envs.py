@@ -14,6 +14,9 @@ ENV_VARS = {
                      "(default: MASTER_ADDR-MASTER_PORT of the world)",
     "DWDP_REJOIN": "1 in a process started to replace a lost rank: `init_group` joins the running group through "
                    "its board, with no collective (default 0)",
+    "DWDP_FORKSERVER_PRELOAD": "comma-separated module names: when set, `launch_local` (`dwdp demo`, the benches, the "
+                               "tests) forks its ranks from one server process that imported torch, dwdp and these "
+                               "modules once, instead of spawning ranks that each import them (unset: spawn)",
     "DWDP_KERNEL_TMA": "1 reads the Triton experts kernel's tiles through TMA descriptors where the device and "
                        "the layout allow it; 0 never; unset: pointer loads unless the tiles ask for tma=True "
                        "(TMA is not yet measured at least as fast on a GPU)",
@@ -74,3 +77,11 @@ def rejoin() -> bool:
     if value not in ("0", "1"):
         raise ValueError(f"DWDP_REJOIN={value!r} must be 0 or 1")
     return value == "1"
+
+
+def forkserver_preload() -> list[str] | None:
+    """The modules of DWDP_FORKSERVER_PRELOAD (possibly none), or None when it is unset: spawn ranks."""
+    value = os.environ.get("DWDP_FORKSERVER_PRELOAD")
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]

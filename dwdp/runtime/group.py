@@ -168,7 +168,14 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
 
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} must be >= 1")
-    ctx = mp.get_context("spawn")
+    preload = envs.forkserver_preload()
+    if preload is None:
+        ctx = mp.get_context("spawn")
+    else:
+        # Ranks forked from a server that imported these once start in a fraction of a spawned rank's
+        # time (importing torch and transformers dominates a tiny rank's start). Set before its first use.
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "dwdp", *preload])
     results = ctx.Queue()
     port = free_port()
     procs = [
