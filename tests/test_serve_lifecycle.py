@@ -16,6 +16,7 @@ import torch
 from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
+from servers import SERVER_START_S, server_timeout
 
 VOCAB = 512
 
@@ -65,7 +66,8 @@ def server(tmp_path_factory):
     # --restart never: today's behaviour, a dead worker stays dead (test_serve_restart has the other)
     proc = ServerProcess(["--ranks", "3", "--expert-replicas", "2", "--peer-timeout", "1", "--preset", "tiny",
                           "--restart", "never", "--kv-dir", str(root / "kv")], free_port(),
-                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
+                         startup_timeout_s=SERVER_START_S)
     proc.root, proc.shm_before = root, shm_before
     proc.start()
     yield proc
@@ -92,7 +94,7 @@ def wait_for(server, predicate, timeout_s: float = 30.0) -> dict:
     raise AssertionError(f"condition not reached within {timeout_s} s: {health}")
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_killing_a_worker_of_a_redundant_group_loses_no_request(server, model):
     """Every request gets an answer: the right first token, or a 5xx naming the killed rank (only
     those running on it when it died). Its queued requests go elsewhere, the survivors re-plan
@@ -130,7 +132,7 @@ def test_killing_a_worker_of_a_redundant_group_loses_no_request(server, model):
         assert r.json()["first_token_id"] == first_token(model, ids), r.json()
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_sigterm_drains_in_flight_requests_and_leaves_nothing(server, model):
     health = httpx.get(f"{server.url}/health", timeout=5).json()
     pids = [w["pid"] for w in health["workers"]]

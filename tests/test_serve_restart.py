@@ -13,6 +13,7 @@ import pytest
 
 from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
+from servers import SERVER_START_S, server_timeout
 from test_serve_lifecycle import first_token, model, prompts, wait_for  # noqa: F401 (model: a fixture)
 
 BACKOFF_S = 0.2
@@ -26,7 +27,8 @@ def server(tmp_path_factory):
     proc = ServerProcess(["--ranks", "3", "--expert-replicas", "2", "--peer-timeout", "1", "--preset", "tiny",
                           "--fault-injection", "--restart", "on-failure", "--restart-backoff", str(BACKOFF_S),
                           "--max-restarts-per-minute", str(MAX_PER_MINUTE)], free_port(),
-                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
+                         startup_timeout_s=SERVER_START_S)
     proc.root = root
     proc.start()
     yield proc
@@ -37,7 +39,7 @@ def _post(server, ids):
     return httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=120)
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_a_killed_worker_is_restarted_rejoins_and_serves_again_with_no_request_lost(server, model):
     health = httpx.get(f"{server.url}/health", timeout=5).json()
     initial = health["redundancy"]  # the placement's: 2 or 3 owners per expert
@@ -80,7 +82,7 @@ def test_a_killed_worker_is_restarted_rejoins_and_serves_again_with_no_request_l
     print(f"kill -> worker 1 routable again with full redundancy: {healed_s:.2f} s")
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_the_worker_hosting_the_group_store_is_restarted_and_rejoins_too(server, model):
     """Worker 0 hosts the process group's store (the setup's one collective). Nothing after setup
     needs it: killed, it is started again, rejoins through the board, and serves; the server still
@@ -102,7 +104,7 @@ def test_the_worker_hosting_the_group_store_is_restarted_and_rejoins_too(server,
         assert r.json()["first_token_id"] == first_token(model, ids), r.json()
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_a_worker_that_keeps_dying_is_left_down_with_its_reason(server, model):
     """Rank 2 loses its device (the fault hook): the router stops it and starts it again; then it is
     killed each time it comes up: restarted MAX_PER_MINUTE times in all with a growing back-off,
