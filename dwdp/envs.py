@@ -16,7 +16,8 @@ ENV_VARS = {
                    "its board, with no collective (default 0)",
     "DWDP_FORKSERVER_PRELOAD": "comma-separated module names: when set, `launch_local` (`dwdp demo`, the benches, the "
                                "tests) forks its ranks from one server process that imported torch, dwdp and these "
-                               "modules once, instead of spawning ranks that each import them (unset: spawn)",
+                               "modules once, instead of spawning ranks that each import them (unset: spawn; "
+                               "`dwdp serve` always spawns its workers)",
     "DWDP_KERNEL_TMA": "1 reads the Triton experts kernel's tiles through TMA descriptors where the device and "
                        "the layout allow it; 0 never; unset: pointer loads unless the tiles ask for tma=True "
                        "(TMA is not yet measured at least as fast on a GPU)",

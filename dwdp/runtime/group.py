@@ -150,32 +150,38 @@ def _child(fn, rank: int, world: int, port: int, args: tuple, results, env: dict
             dist.destroy_process_group()
 
 
+def rank_context():
+    """The multiprocessing context launch_local's ranks start in: spawn, or with DWDP_FORKSERVER_PRELOAD
+    set, a forkserver that imported torch, dwdp and those modules once. Ranks forked from it start in a
+    fraction of a spawned rank's time: importing torch and transformers is most of a tiny rank's start."""
+    import multiprocessing as mp
+
+    preload = envs.forkserver_preload()
+    if preload is None:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "dwdp", *preload])  # read when the server starts: at its first use
+    return ctx
+
+
 class LaunchError(RuntimeError):
     """A rank of a local group failed or did not finish in time."""
 
 
 def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None,
                  may_die: tuple[int, ...] = ()) -> list:
-    """Run `fn(rank, *args)` in `nprocs` spawned processes forming one env:// world on loopback.
+    """Run `fn(rank, *args)` in `nprocs` new processes (see rank_context) forming one env:// world on loopback.
 
     Returns the per-rank return values (picklable). Raises LaunchError naming the rank on the first
     failure, a crash without a result, or when `timeout_s` passes; every child is stopped.
     may_die: ranks killed on purpose (chaos tests): their exit without a result gives None.
     """
-    import multiprocessing as mp
     import queue
     import time
 
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} must be >= 1")
-    preload = envs.forkserver_preload()
-    if preload is None:
-        ctx = mp.get_context("spawn")
-    else:
-        # Ranks forked from a server that imported these once start in a fraction of a spawned rank's
-        # time (importing torch and transformers dominates a tiny rank's start). Set before its first use.
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "dwdp", *preload])
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
