@@ -1,10 +1,10 @@
 import json
 import mmap
-import subprocess
 import sys
 
 import pytest
 
+from dwdp.cli import main
 from procs import run
 
 
@@ -37,9 +37,18 @@ def test_demo_runs_and_every_rank_matches(tmp_path):
         assert line.split()[:4] == [str(r["rank"]), "cpu", str(r["tokens"]), f"{r['tokens_per_s']:.0f}"], (line, r)
 
 
-def test_cli_rejects_bad_rank_count():
-    proc = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--ranks", "0"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--ranks" in proc.stderr and "0 must be >= 1" in proc.stderr, proc.stderr
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`dwdp <argv>` in this process (the refusals below come before any rank starts): (exit code, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_rejects_bad_rank_count(capsys):
+    code, err = _cli(["demo", "--ranks", "0"], capsys)
+    assert code == 2 and "--ranks" in err and "0 must be >= 1" in err, err
 
 
 @pytest.mark.timeout(180)
@@ -53,9 +62,9 @@ def test_demo_on_another_family(tmp_path):
     assert "tiny gpt_oss model" in proc.stdout and "2/2 ranks match the unwrapped model" in proc.stdout, proc.stdout
 
 
-def test_demo_rejects_unknown_family():
-    proc = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--family", "llama"], capture_output=True, text=True)
-    assert proc.returncode != 0 and "family='llama' is not an MoE family" in proc.stderr, proc.stderr
+def test_demo_rejects_unknown_family(capsys):
+    code, err = _cli(["demo", "--family", "llama"], capsys)
+    assert code != 0 and "family='llama' is not an MoE family" in err, err
 
 
 # fp8 demo: the same experts as fp8 bytes + 128 x 128 fp32 block scales: gate_up [512, 256] -> 4 x 2 scales,
