@@ -62,7 +62,10 @@ def server(tmp_path_factory):
     build_tokenizer(root / "tokenizer")
     args = ["--ranks", str(RANKS), "--preset", "tiny", "--max-num-tokens", str(MAX_NUM_TOKENS),
             "--max-queue-tokens", str(MAX_QUEUE_TOKENS), "--max-body-bytes", str(MAX_BODY_BYTES),
-            "--kv-dir", str(root / "kv"), "--tokenizer", str(root / "tokenizer")]
+            "--kv-dir", str(root / "kv"), "--tokenizer", str(root / "tokenizer"),
+            # Workers paused on purpose (test_router_passes_over_a_loaded_worker) must not count as stalled
+            # while the test sends its prompts on a loaded machine: stalls are tested in test_serve_lifecycle.
+            "--stall-timeout", "60"]
     (root / "kv").mkdir()
     proc = ServerProcess(args, free_port(), env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
                          startup_timeout_s=SERVER_START_S)
