@@ -20,8 +20,8 @@ def test_tiny_sweep_recomputes_from_its_samples(tmp_path):
     cmd = [sys.executable, "-m", "dwdp", "bench", "serve", "--variants", "dwdp,dep,dwdp/padded", "--rates", "6",
            "--duration", "1.5", "--isl", "64", "--isl-ratios", "0.5", "--max-num-tokens", "128", "--isl-cv", "0",
            "--long-isl", "300", "--slo", "5", "--out", str(out)]
-    run = run(cmd, timeout=230)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    done = run(cmd, timeout=230)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert set(data["meta"]["load_average_1min"]) == {"before", "after"}

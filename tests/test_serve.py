@@ -16,7 +16,7 @@ from dwdp.runtime.group import free_port
 from dwdp.serve.kv import read_kv_artifact
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
-from servers import SERVER_START_S, server_timeout
+from servers import SERVER_START_S, paused, server_timeout
 
 RANKS = 3
 MAX_NUM_TOKENS = 256
@@ -306,8 +306,15 @@ def test_overload_answers_429_with_retry_after(server, reference):
     """36 prompts of 200 tokens at once are 7200 tokens against 3 x 512 of queue room: the rest
     must be refused with 429 + Retry-After, and every admitted one must still be answered right."""
     prompts = [prompt(5000 + i, 200) for i in range(36)]
+    pids = [w["pid"] for w in httpx.get(f"{server.url}/health").json()["workers"]]
     with ThreadPoolExecutor(36) as pool:
-        answers = list(pool.map(lambda ids: post(server, "/v1/prefill", {"input_ids": ids}), prompts))
+        with paused(pids):  # nothing is answered until every prompt was admitted or refused: fast forwards too
+            futures = [pool.submit(post, server, "/v1/prefill", {"input_ids": ids}) for ids in prompts]
+            deadline = time.monotonic() + 30
+            while sum(f.done() for f in futures) + httpx.get(f"{server.url}/health").json()["in_flight"] < len(prompts):
+                assert time.monotonic() < deadline, "36 prompts neither admitted nor refused within 30 s"
+                time.sleep(0.01)
+        answers = [f.result() for f in futures]
     codes = [r.status_code for r in answers]
     assert set(codes) == {200, 429}, codes
     for ids, r in zip(prompts, answers):
