@@ -55,14 +55,15 @@ class _Interrupt:
 
 
 def _watch(find, enough, seen: dict, then) -> threading.Thread:
-    """A thread adding each pid of `find()` to `seen` (pid -> its command line) until `enough(seen)`,
-    then calling `then()` once."""
+    """A thread adding each pid of `find()` to `seen` (pid -> its latest command line) until
+    `enough(seen)`, then calling `then()` once."""
 
     def loop():
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:
             for pid in find():
-                seen.setdefault(pid, _cmdline(pid))
+                # Read again each time: a spawned child shows its parent's command line until it execs.
+                seen[pid] = _cmdline(pid) or seen.get(pid, "")
             if enough(seen):
                 then()
                 return
