@@ -15,6 +15,10 @@ The fault starts `--fault-at` seconds in, or up to 3 s later once the victim run
   steps) in which the survivors answered, correctly, at least 90 % of the prompt tokens offered in
   the same window shifted back by the pre-fault median TTFT: the survivors carry the whole offered
   load again. 0 when they never fell behind.
+- re-plans: per survivor, how many times it re-planned from the fault to the end of the case (/health's
+  `replans` then, less before the fault). One loss is one re-plan: 1 after a kill or a memory fault, 0
+  after a stall. More means the lost rank flapped: a survivor took the same living process back
+  through its own board entry and lost it again. A case whose count differs fails the run (exit 1).
 Prints the table last; writes bench/results/chaos_cpu.json (machine, load average, every request).
 
 The healing cases (kill-restart, two-loss, loss-while-rejoining: bench/chaos_heal.py) run the server
@@ -48,6 +52,7 @@ CASES = ("kill", "unreadable", "stall") + HEAL_CASES
 OVERLAPPING = ("two-loss", "loss-while-rejoining")  # run on --heal-ranks ranks, --heal-replicas owners
 ATOL, RTOL = 1e-4, 1e-4           # first-token tie tolerance, as tests/test_serve.py
 WINDOW_S, STEP_S, CARRIED = 2.0, 0.1, 0.9
+EXPECTED_REPLANS = {"kill": 1, "unreadable": 1, "stall": 0}  # per survivor, from the fault to the end
 
 
 async def _busy(url: str, victim: int, patience_s: float) -> bool:
@@ -140,7 +145,26 @@ def _prefill_ms_per_1k(answers: list[dict], lo: float, hi: float, ranks) -> floa
     return statistics.median(per) if per else float("nan")
 
 
-def summarise(case: str, plan: list, results: list[dict], fault: dict, model, args, ranks: int, health: dict) -> dict:
+def replans_since(before: dict, after: dict, ranks) -> dict[int, int]:
+    """Per rank of `ranks`: re-plans counted in /health `after`, less those in /health `before`."""
+    count = lambda health: {w["rank"]: w["replans"] for w in health["workers"]}
+    was, now = count(before), count(after)
+    return {r: now[r] - was[r] for r in ranks}
+
+
+def unexpected_replans(row: dict) -> str | None:
+    """Why `row`'s survivors re-planned other than once per loss (a flap), or None."""
+    want = EXPECTED_REPLANS.get(row["case"])
+    wrong = {r: n for r, n in row["survivor_replans"].items() if want is not None and n != want}
+    if not wrong:
+        return None
+    rejoins = {r: w["peer_rejoins"] for r, w in row["survivors_after"].items()}
+    return (f"{row['case']}: survivors re-planned {wrong} times (rank: re-plans), expected {want} each; their rejoins "
+            f"seen (rank: {{peer: times}}): {rejoins}")
+
+
+def summarise(case: str, plan: list, results: list[dict], fault: dict, model, args, ranks: int, health: dict,
+              health_before: dict) -> dict:
     victim, hit = args.victim, fault["hit"]
     survivors = [r for r in range(ranks) if r not in hit]
     ok = [r for r in results if r["status"] == 200]
@@ -173,6 +197,7 @@ def summarise(case: str, plan: list, results: list[dict], fault: dict, model, ar
         "survivor_tok_s_before": _rate(ok, 0.0, t0, survivors), "survivor_tok_s_during": _rate(ok, t0, t1, survivors),
         "survivor_prefill_ms_per_1k_before": _prefill_ms_per_1k(ok, 0.0, t0, survivors),
         "survivor_prefill_ms_per_1k_during": _prefill_ms_per_1k(ok, t0, t1, survivors),
+        "survivor_replans": replans_since(health_before, health, survivors),
         "survivors_after": {w["rank"]: {k: w[k] for k in ("lost_peers", "replans", "retried_slices", "routable",
                                                           "unservable_experts", "peer_rejoins", "restarts")}
                             for w in health["workers"] if w["rank"] not in hit},
@@ -183,14 +208,15 @@ def summarise(case: str, plan: list, results: list[dict], fault: dict, model, ar
 
 def format_table(rows: list[dict]) -> str:
     header = ("case", "sent", "correct", "wrong", "failed (names rank)", "failed other", "lost", "handed on",
-              "recovery s",
+              "re-plans", "recovery s",
               "survivor tok/s before", "during", "ratio", "prefill ms/1k tok before", "during")
 
     def num(x, fmt):
         return "n/a" if x is None or x != x else format(x, fmt)
 
     lines = [(r["case"], str(r["sent"]), str(r["correct"]), str(r["wrong"]), str(r["failed_clear"]),
-              str(r["failed_other"]), str(r["lost"]), str(r["server_retried_requests"]), num(r["recovery_s"], ".2f"),
+              str(r["failed_other"]), str(r["lost"]), str(r["server_retried_requests"]),
+              ",".join(str(n) for _, n in sorted(r["survivor_replans"].items())), num(r["recovery_s"], ".2f"),
               num(r["survivor_tok_s_before"], ".0f"), num(r["survivor_tok_s_during"], ".0f"),
               num(r["survivor_tok_s_during"] / r["survivor_tok_s_before"], ".2f"),
               num(r["survivor_prefill_ms_per_1k_before"], ".0f"), num(r["survivor_prefill_ms_per_1k_during"], ".0f"))
@@ -267,11 +293,13 @@ def main() -> int:
             warm = arrivals(100.0, 2 * ranks, 10.0, args.clients, args.isl, args.isl_ratio, 0.0,
                             args.max_num_tokens, args.seed + 999)
             asyncio.run(run_rate(server.url, warm, args.timeout))  # first forwards touch buffers, build plans
+            before = httpx.get(f"{server.url}/health", timeout=10).json()
             probe = arrivals(args.rate, 3 * ranks, 3 * ranks / args.rate, args.clients, args.isl, args.isl_ratio,
                              args.cv, args.max_num_tokens, args.seed + 500 + i)
             plan, results, fault = asyncio.run(_run_case(case, server.url, plan, pids, args, probe))
+            time.sleep(args.stall_timeout / 2)  # workers report 4 times per stall bound: their latest reach /health
             health = httpx.get(f"{server.url}/health", timeout=10).json()
-        rows.append(summarise(case, plan, results, fault, model, args, ranks, health))
+        rows.append(summarise(case, plan, results, fault, model, args, ranks, health, before))
         print(f"{case}: {rows[-1]['errors'] or 'no errors'}", flush=True)
     out = Path(args.out) if args.out else RESULTS / "chaos_cpu.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -288,7 +316,10 @@ def main() -> int:
     print(format_table(rows))
     if any("rejoined_s" in r for r in rows):
         print(format_heal_table(rows))
-    return 0
+    flaps = [why for why in map(unexpected_replans, rows) if why]
+    for why in flaps:
+        print(f"chaos: FLAP {why}")
+    return 1 if flaps else 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ ENV_VARS = {
                      "(default: MASTER_ADDR-MASTER_PORT of the world)",
     "DWDP_REJOIN": "1 in a process started to replace a lost rank: `init_group` joins the running group through "
                    "its board, with no collective (default 0)",
+    "DWDP_FORKSERVER_PRELOAD": "comma-separated module names: when set, `launch_local` (`dwdp demo`, the benches, the "
+                               "tests) forks its ranks from one server process that imported torch, dwdp and these "
+                               "modules once, instead of spawning ranks that each import them (unset: spawn; "
+                               "`dwdp serve` always spawns its workers)",
     "DWDP_KERNEL_TMA": "1 reads the Triton experts kernel's tiles through TMA descriptors where the device and "
                        "the layout allow it; 0 never; unset: pointer loads unless the tiles ask for tma=True "
                        "(TMA is not yet measured at least as fast on a GPU)",
@@ -86,3 +90,11 @@ def api_key() -> str | None:
 
 def decode_api_key() -> str | None:
     return os.environ.get("DWDP_DECODE_API_KEY") or None
+
+
+def forkserver_preload() -> list[str] | None:
+    """The modules of DWDP_FORKSERVER_PRELOAD (possibly none), or None when it is unset: spawn ranks."""
+    value = os.environ.get("DWDP_FORKSERVER_PRELOAD")
+    if value is None:
+        return None
+    return [name.strip() for name in value.split(",") if name.strip()]

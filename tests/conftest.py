@@ -21,6 +21,14 @@ if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Local groups (launch_local) fork their ranks from a server that imported these once per test process,
+# instead of spawning ranks that each import torch, transformers and the tests' model families again:
+# that import was most of a small group's start, and the suite starts hundreds of ranks.
+os.environ.setdefault("DWDP_FORKSERVER_PRELOAD", ",".join([
+    "transformers", "dwdp.runtime.model", "dwdp.runtime.baselines.dep", "dwdp.models.tiny",
+    *(f"transformers.models.{family}.modeling_{family}" for family in ("mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")),
+]))
+
 # Each test process (each pytest-xdist worker) keeps its segments and boards in a directory of its own,
 # so a test that checks /dev/shm for leaks never sees what a test running beside it holds.
 if "DWDP_SHM_DIR" not in os.environ:

@@ -247,20 +247,26 @@ def compile_all(launches: list[dict], workers: int | None = None, timeout_s: int
     versions = set()
     with tempfile.TemporaryDirectory(prefix="dwdp-compile-") as tmp:
         procs = []
-        for w, chunk in enumerate(chunks):
-            path = os.path.join(tmp, f"launches{w}.json")
-            with open(path, "w") as f:
-                json.dump([launches[i] for i in chunk], f)
-            procs.append(subprocess.Popen([sys.executable, "-c", _COMPILE, path], stdout=subprocess.PIPE,
-                                          stderr=subprocess.PIPE, env=env, text=True))
-        for chunk, proc in zip(chunks, procs):
-            out, err = proc.communicate(timeout=timeout_s)
-            if proc.returncode != 0:
-                raise RuntimeError(f"sm_90 compile worker failed (exit {proc.returncode}):\n{err[-3000:]}")
-            done = json.loads(out.strip().splitlines()[-1])
-            versions.add(done["triton"])
-            for i, result in zip(chunk, done["results"]):
-                results[i] = result
+        try:
+            for w, chunk in enumerate(chunks):
+                path = os.path.join(tmp, f"launches{w}.json")
+                with open(path, "w") as f:
+                    json.dump([launches[i] for i in chunk], f)
+                procs.append(subprocess.Popen([sys.executable, "-c", _COMPILE, path], stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, env=env, text=True))
+            for chunk, proc in zip(chunks, procs):
+                out, err = proc.communicate(timeout=timeout_s)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"sm_90 compile worker failed (exit {proc.returncode}):\n{err[-3000:]}")
+                done = json.loads(out.strip().splitlines()[-1])
+                versions.add(done["triton"])
+                for i, result in zip(chunk, done["results"]):
+                    results[i] = result
+        finally:  # a timeout, a failed worker or an interrupt: the other workers stop too
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.communicate()
     return ", ".join(sorted(versions)), results
 
 

@@ -57,3 +57,30 @@ def family_case(family: str, *values):
     return pytest.param(family, *values, marks=pytest.mark.skipif(
         absent, reason=f"{family} is not in transformers {transformers.__version__} (it ships in "
                        f"{PINNED_VERSION}, not in {FLOORS['transformers']})"))
+
+
+# -- torch ------------------------------------------------------------------------------------------------
+# The torch releases dwdp was checked on are a table of docs/install.md (`.ci/torch-release VERSION` runs
+# the check and prints its row); pyproject.toml's torch range must span exactly those releases.
+TORCH_TABLE_PAGE = "docs/install.md"
+TORCH_TABLE_BEGIN, TORCH_TABLE_END = "<!-- torch-releases:begin -->", "<!-- torch-releases:end -->"
+TORCH_RESULTS = ("passed", "partial")  # partial: the row says what ran and what did not
+
+
+def checked_torch_releases() -> dict[str, str]:
+    """torch release -> result, from the table of checked releases in docs/install.md."""
+    text = (ROOT / TORCH_TABLE_PAGE).read_text()
+    if TORCH_TABLE_BEGIN not in text or TORCH_TABLE_END not in text:
+        raise AssertionError(f"{TORCH_TABLE_PAGE} has no table between {TORCH_TABLE_BEGIN} and {TORCH_TABLE_END}")
+    block = text.split(TORCH_TABLE_BEGIN, 1)[1].split(TORCH_TABLE_END, 1)[0]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in block.splitlines()
+            if line.startswith("| ") and not line.startswith("| torch ")]
+    return {row[0]: row[-1] for row in rows}
+
+
+def torch_range_of(releases) -> str:
+    """The pyproject.toml requirement that spans `releases` (versions such as '2.11.0'): from the oldest
+    one's minor release up to, not including, the minor release after the newest."""
+    minors = sorted(_release(v)[:2] for v in releases)
+    (low_major, low_minor), (high_major, high_minor) = minors[0], minors[-1]
+    return f"torch>={low_major}.{low_minor},<{high_major}.{high_minor + 1}"

@@ -4,7 +4,6 @@ packed forwards compute exactly the real tokens."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
@@ -12,6 +11,7 @@ import pytest
 
 from dwdp.benchmarks.serving import compare, max_load_at_slo, parse_variants, summarise
 from dwdp.predict.packing import RequestMix, arrival_plan
+from procs import run
 
 
 @pytest.mark.timeout(240)
@@ -20,8 +20,8 @@ def test_tiny_sweep_recomputes_from_its_samples(tmp_path):
     cmd = [sys.executable, "-m", "dwdp", "bench", "serve", "--variants", "dwdp,dep,dwdp/padded", "--rates", "6",
            "--duration", "1.5", "--isl", "64", "--isl-ratios", "0.5", "--max-num-tokens", "128", "--isl-cv", "0",
            "--long-isl", "300", "--slo", "5", "--out", str(out)]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=230)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    done = run(cmd, timeout=230)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads(out.read_text())
     assert out.with_suffix(".png").stat().st_size > 0
     assert set(data["meta"]["load_average_1min"]) == {"before", "after"}

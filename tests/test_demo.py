@@ -1,9 +1,11 @@
 import json
 import mmap
-import subprocess
 import sys
 
 import pytest
+
+from dwdp.cli import main
+from procs import run
 
 
 # Demo model: 16 experts of gate_up [512, 256] + down [256, 256] fp32 in each of 4 MoE layers; a rank
@@ -16,10 +18,10 @@ DEMO_BYTES_PER_FORWARD = 4 * 8 * DEMO_EXPERT_BYTES
 def test_demo_runs_and_every_rank_matches(tmp_path):
     shm, out = tmp_path / "shm", tmp_path / "demo.json"
     shm.mkdir()
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "dwdp", "demo", "--ranks", "2", "--prompts", "2", "--max-len", "12", "--repeats", "1",
          "--json", str(out)],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(shm), "PATH": "/usr/bin:/bin"},
+        timeout=170, env={"DWDP_SHM_DIR": str(shm), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "2/2 ranks match the unwrapped model" in proc.stdout, proc.stdout
@@ -35,25 +37,34 @@ def test_demo_runs_and_every_rank_matches(tmp_path):
         assert line.split()[:4] == [str(r["rank"]), "cpu", str(r["tokens"]), f"{r['tokens_per_s']:.0f}"], (line, r)
 
 
-def test_cli_rejects_bad_rank_count():
-    proc = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--ranks", "0"], capture_output=True, text=True)
-    assert proc.returncode == 2 and "--ranks" in proc.stderr and "0 must be >= 1" in proc.stderr, proc.stderr
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    """`dwdp <argv>` in this process (the refusals below come before any rank starts): (exit code, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's own refusals
+        code = exc.code
+    return code, capsys.readouterr().err
+
+
+def test_cli_rejects_bad_rank_count(capsys):
+    code, err = _cli(["demo", "--ranks", "0"], capsys)
+    assert code == 2 and "--ranks" in err and "0 must be >= 1" in err, err
 
 
 @pytest.mark.timeout(180)
 def test_demo_on_another_family(tmp_path):
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "dwdp", "demo", "--family", "gpt_oss", "--ranks", "2", "--prompts", "1", "--max-len", "8",
          "--repeats", "1"],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "tiny gpt_oss model" in proc.stdout and "2/2 ranks match the unwrapped model" in proc.stdout, proc.stdout
 
 
-def test_demo_rejects_unknown_family():
-    proc = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--family", "llama"], capture_output=True, text=True)
-    assert proc.returncode != 0 and "family='llama' is not an MoE family" in proc.stderr, proc.stderr
+def test_demo_rejects_unknown_family(capsys):
+    code, err = _cli(["demo", "--family", "llama"], capsys)
+    assert code != 0 and "family='llama' is not an MoE family" in err, err
 
 
 # fp8 demo: the same experts as fp8 bytes + 128 x 128 fp32 block scales: gate_up [512, 256] -> 4 x 2 scales,
@@ -64,10 +75,10 @@ DEMO_FP8_EXPERT_BYTES = (512 * 256 + 256 * 256) + (4 * 2 * 4) + (2 * 2 * 4)
 @pytest.mark.timeout(180)
 def test_demo_fp8_matches_and_moves_fp8_bytes(tmp_path):
     out = tmp_path / "demo.json"
-    proc = subprocess.run(
+    proc = run(
         [sys.executable, "-m", "dwdp", "demo", "--dtype", "fp8", "--ranks", "2", "--prompts", "1", "--max-len", "8",
          "--repeats", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        timeout=170, env={"DWDP_SHM_DIR": str(tmp_path), "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fp8 (128 x 128 block scales) experts" in proc.stdout and "2/2 ranks match" in proc.stdout, proc.stdout

@@ -5,7 +5,6 @@ model with no kernel compile after warm-up, `dwdp demo --device cuda`, and `dwdp
 answering the openai client, held to the bound gpu_check and the demo use: the bf16 tolerance, or twice
 transformers' own spread between its eager and grouped_mm experts paths. fp8 experts (fp32 and e8m0 scales,
 both dots) and sizes with partial N and K tiles are checked on the experts' own output, at one token too."""
-import subprocess
 import sys
 
 import pytest
@@ -16,6 +15,7 @@ from dwdp.runtime.devices import bf16_logits_bound, transformers_spread
 from dwdp.runtime.group import DWDPGroup, init_group, launch_local
 from dwdp.runtime.model import DWDPModel
 from dwdp.models.tiny import build_tiny_model
+from procs import run
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 
@@ -175,8 +175,7 @@ def test_experts_output_of_fp8_and_partial_tile_models_at_one_and_many_tokens(na
 
 
 def test_demo_on_cuda():
-    done = subprocess.run([sys.executable, "-m", "dwdp", "demo", "--device", "cuda", "--ranks", "2", "--repeats", "2"],
-                          capture_output=True, text=True, timeout=280)
+    done = run([sys.executable, "-m", "dwdp", "demo", "--device", "cuda", "--ranks", "2", "--repeats", "2"], timeout=280)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "2/2 ranks match the unwrapped model" in done.stdout and "cuda backend" in done.stdout, done.stdout
 

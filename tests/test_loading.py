@@ -158,7 +158,10 @@ def launches(checkpoints, tmp_path_factory) -> dict:
     out = {}
     for g in GROUP_SIZES:
         memory_path = big[MEMORY_LAYOUT[g]] if g in MEMORY_LAYOUT else None
-        out[g] = launch_local(_rank_worker, g, (g, checkpoints, memory_path), timeout_s=200)
+        with pytest.MonkeyPatch.context() as env:
+            if memory_path:  # spawned: a rank forked from the preloaded forkserver (conftest) would count
+                env.delenv("DWDP_FORKSERVER_PRELOAD", raising=False)  # its writes to inherited pages as load
+            out[g] = launch_local(_rank_worker, g, (g, checkpoints, memory_path), timeout_s=200)
     return out
 
 

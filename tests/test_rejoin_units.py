@@ -5,10 +5,15 @@ Liveness is a fake whose states the test sets; the board, the segments and the c
 """
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from dwdp.runtime.board import BOARD_PREFIX, Board
+from dwdp.runtime.board import BOARD_PREFIX, Board, _start_time
 from dwdp.runtime.failover import Failover
 from dwdp.runtime.liveness import PeerStatus
 from dwdp.runtime.placement import build_placement, surviving_sources
@@ -31,6 +36,7 @@ class _Liveness:
 
     def __init__(self, peers):
         self.states = {p: "alive" for p in peers}
+        self.pids = {}  # peer -> the pid its record names, when not 4242
         self.watched = []
 
     @property
@@ -41,13 +47,13 @@ class _Liveness:
         return PeerStatus(self.states[peer], 4242, 0.0)
 
     def pid(self, peer):
-        return 4242  # not this process: an entry this process publishes is a new incarnation
+        return self.pids.get(peer, 4242)  # 4242, not this process: an entry this process publishes is a new one
 
     def forget(self, peer):
         self.states.pop(peer, None)
 
     def watch(self, peer, handle):
-        self.states[peer] = "alive"
+        self.states[peer] = handle.get("state", "alive")  # what the mapped record says
         self.watched.append((peer, handle["path"]))
 
 
@@ -131,6 +137,60 @@ def _replacement(group, rank: int) -> HostTransport:
     group["made"].append(new)
     group["board"].publish(rank, new.board_handle(), {"path": f"fake-record-of-new-rank-{rank}", "pid": 0}, 7)
     return new
+
+
+def _publish_as(board, rank: int, pid: int, segment: dict, record: dict) -> None:
+    """Write `rank`'s board entry as process `pid` wrote it (Board.publish writes this process's own)."""
+    entry = {"pid": pid, "start_time": _start_time(pid), "segment": segment, "record": record, "dense_checksum": 7}
+    board.path.mkdir(exist_ok=True)
+    (board.path / f"rank{rank}.json").write_text(json.dumps(entry))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["memory unreadable", "reports its device lost"])
+def test_a_peer_lost_while_its_process_lives_is_not_taken_back_through_its_own_board_entry(group, how):
+    """Regression: rank 2 is lost while its process lives on, its board entry still there. Taking that
+    entry for a rejoin would map the same faulty peer again at every look (a flap: one more re-plan
+    each time). It comes back only when a new process of rank 2 publishes itself."""
+    pf, failover, liveness, board = group["prefetcher"], group["failover"], group["liveness"], group["board"]
+    old = group["transports"][2]
+    liveness.pids[2] = os.getpid()  # the process that wrote rank 2's entry below: this one
+    record = {"path": "fake-record-of-rank-2", "pid": os.getpid(), "state": "failed"}
+    board.publish(2, old.board_handle(), record, 7)
+    assert _forward(pf, group["expected"]) == []
+    if how == "memory unreadable":
+        group["transports"][0].fail_copies_from(2, "test fault: device lost")
+    else:
+        liveness.states[2] = "failed"
+    assert _forward(pf, group["expected"]) == []
+    status = failover.status()
+    assert list(status.lost) == [2] and status.replans == 1, status
+    assert board.read(2) is not None, "rank 2's own entry must still be on the board: it lives"
+    for _ in range(3):  # forwards and health-loop looks: each reads the board
+        pf.stats.reset()
+        assert _forward(pf, group["expected"]) == []
+        status = pf.poll_peers()
+        assert pf.stats.bytes_from_peer.get(2, 0) == 0, pf.stats.bytes_from_peer
+    assert list(status.lost) == [2] and status.rejoins == {} and status.rejoining == (), status
+    assert status.replans == 1, f"re-planned {status.replans} times for one loss: the lost peer flapped back"
+    assert liveness.watched == [], liveness.watched
+
+    # A new process of rank 2 publishes itself: that one is taken back, once.
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        new = HostTransport(2, inflight=2, shm_dir=str(group["tmp"]))
+        new.alloc_segment(group["seg"].total_nbytes).copy_(_segment(group["full"], group["p"].owned[2]))
+        group["made"].append(new)
+        _publish_as(board, 2, child.pid, new.board_handle(), {"path": "fake-record-of-new-rank-2", "pid": child.pid})
+        pf.stats.reset()
+        status = pf.poll_peers()
+        assert status.lost == {} and status.rejoins == {2: 1} and status.replans == 2, status
+        assert _forward(pf, group["expected"]) == [] and pf.stats.bytes_from_peer.get(2, 0) > 0, pf.stats.bytes_from_peer
+        assert liveness.watched == [(2, "fake-record-of-new-rank-2")], liveness.watched
+    finally:
+        child.kill()
+        child.wait()
+    (board.path / "rank2.json").unlink(missing_ok=True)  # its process is gone; the fixture withdraws the rest
 
 
 @pytest.mark.timeout(60)
@@ -276,3 +336,21 @@ def test_a_server_sweeps_boards_its_stopped_workers_left(tmp_path, monkeypatch):
     pool = WorkerPool(ServeConfig(ranks=1), str(tmp_path / "kv"))  # never started: close stops nobody
     pool.close()
     assert list(tmp_path.iterdir()) == [], list(tmp_path.iterdir())
+
+
+def test_the_chaos_bench_fails_a_case_whose_survivors_re_plan_more_than_once_per_loss(monkeypatch):
+    """bench/chaos.py counts each survivor's re-plans from the fault to the end: one per loss, none
+    for a stall; a lost rank taken back and lost again shows as more, and fails the run."""
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    chaos = importlib.import_module("chaos")
+    health = lambda replans: {"workers": [{"rank": r, "replans": n} for r, n in enumerate(replans)]}
+    row = lambda case, after, rejoins: {"case": case, "survivor_replans": chaos.replans_since(
+        health([0, 0, 0]), health(after), [0, 2]), "survivors_after": {0: {"peer_rejoins": rejoins}, 2: {"peer_rejoins": {}}}}
+    assert chaos.unexpected_replans(row("unreadable", [1, 0, 1], {})) is None
+    assert chaos.unexpected_replans(row("stall", [0, 0, 0], {})) is None
+    flap = chaos.unexpected_replans(row("unreadable", [7, 0, 1], {1: 3}))
+    assert flap is not None and "re-planned {0: 7} times" in flap and "{0: {1: 3}, 2: {}}" in flap, flap
+    assert "expected 0 each" in chaos.unexpected_replans(row("stall", [1, 0, 0], {}))

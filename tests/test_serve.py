@@ -16,6 +16,7 @@ from dwdp.runtime.group import free_port
 from dwdp.serve.kv import read_kv_artifact
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
+from servers import SERVER_START_S, paused, server_timeout
 
 RANKS = 3
 MAX_NUM_TOKENS = 256
@@ -61,13 +62,18 @@ def server(tmp_path_factory):
     build_tokenizer(root / "tokenizer")
     args = ["--ranks", str(RANKS), "--preset", "tiny", "--max-num-tokens", str(MAX_NUM_TOKENS),
             "--max-queue-tokens", str(MAX_QUEUE_TOKENS), "--max-body-bytes", str(MAX_BODY_BYTES),
-            "--kv-dir", str(root / "kv"), "--tokenizer", str(root / "tokenizer")]
+            "--kv-dir", str(root / "kv"), "--tokenizer", str(root / "tokenizer"),
+            # Workers paused on purpose (test_router_passes_over_a_loaded_worker) must not count as stalled
+            # while the test sends its prompts on a loaded machine: stalls are tested in test_serve_lifecycle.
+            "--stall-timeout", "60"]
     (root / "kv").mkdir()
-    proc = ServerProcess(args, free_port(), env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+    proc = ServerProcess(args, free_port(), env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
+                         startup_timeout_s=SERVER_START_S)
     proc.root = root
     with proc:
         yield proc
     assert proc.proc.returncode == 0, proc.output()
+    assert proc.left_behind == [], f"processes of the server still running after it stopped: {proc.left_behind}"
     assert list((root / "shm").iterdir()) == []
 
 
@@ -96,7 +102,7 @@ def post(server, path: str, body, **kw) -> httpx.Response:
     return httpx.post(f"{server.url}{path}", json=body, timeout=60.0, **kw)
 
 
-@pytest.mark.timeout(60)
+@server_timeout(60)
 @pytest.mark.parametrize("length", [1, 7, 33, MAX_NUM_TOKENS])
 def test_prefill_matches_unwrapped_model(server, reference, length):
     ids = prompt(length, length)
@@ -117,7 +123,7 @@ def test_prefill_matches_unwrapped_model(server, reference, length):
     assert body["timing"]["prefill_s"] > 0 and body["timing"]["queue_s"] >= 0, body["timing"]
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_concurrent_clients_none_lost_or_duplicated(server, reference):
     """16 clients (> 4 x 3 ranks), 3 prompts each of mixed lengths: left-padded batches must give
     every prompt its own first token and cache, every request exactly one answer."""
@@ -161,7 +167,7 @@ def wait_for_health(server, condition, what: str, timeout_s: float = 30.0) -> di
         time.sleep(0.02)
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_router_passes_over_a_loaded_worker(server, reference):
     """With every worker paused (SIGSTOP) nothing finishes: a 200-token prompt goes to one worker,
     then six 10-token prompts, each admitted before the next is sent. Least outstanding tokens
@@ -195,7 +201,7 @@ def test_router_passes_over_a_loaded_worker(server, reference):
         assert_first_token(r.json()["first_token_id"], reference(ids)[0])
 
 
-@pytest.mark.timeout(60)
+@server_timeout(60)
 def test_openai_client_gets_a_completion(server, reference):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -220,7 +226,7 @@ def test_openai_client_gets_a_completion(server, reference):
     assert "max_tokens" in str(err.value)
 
 
-@pytest.mark.timeout(30)
+@server_timeout(30)
 def test_text_prompt_uses_the_local_tokenizer(server, reference):
     r = post(server, "/v1/prefill", {"prompt": "w1 w2 w3 w299 unknown"})
     assert r.status_code == 200, r.text
@@ -251,7 +257,7 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.timeout(60)
+@server_timeout(60)
 def test_a_prompt_past_max_num_tokens_is_prefilled_in_chunks(server, reference):
     """2 x max_num_tokens (the queue bound) in two chunks equals one unchunked forward; one more is 400."""
     ids = prompt(77, 2 * MAX_NUM_TOKENS)
@@ -271,7 +277,7 @@ def test_a_prompt_past_max_num_tokens_is_prefilled_in_chunks(server, reference):
     assert health["forwards"] == "packed" and health["padded_reason"] == "", health
 
 
-@pytest.mark.timeout(30)
+@server_timeout(30)
 @pytest.mark.parametrize("name,path,body,status,param", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_bad_input_names_the_field(server, name, path, body, status, param):
     r = post(server, path, body)
@@ -280,7 +286,7 @@ def test_bad_input_names_the_field(server, name, path, body, status, param):
     assert error["param"] == param and param.split(".")[0] in error["message"], (name, error)
 
 
-@pytest.mark.timeout(30)
+@server_timeout(30)
 def test_malformed_json_and_oversize_body(server):
     r = httpx.post(f"{server.url}/v1/prefill", content=b'{"input_ids": [1, 2', timeout=10,
                    headers={"content-type": "application/json"})
@@ -298,13 +304,20 @@ def test_malformed_json_and_oversize_body(server):
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_overload_answers_429_with_retry_after(server, reference):
     """36 prompts of 200 tokens at once are 7200 tokens against 3 x 512 of queue room: the rest
     must be refused with 429 + Retry-After, and every admitted one must still be answered right."""
     prompts = [prompt(5000 + i, 200) for i in range(36)]
+    pids = [w["pid"] for w in httpx.get(f"{server.url}/health").json()["workers"]]
     with ThreadPoolExecutor(36) as pool:
-        answers = list(pool.map(lambda ids: post(server, "/v1/prefill", {"input_ids": ids}), prompts))
+        with paused(pids):  # nothing is answered until every prompt was admitted or refused: fast forwards too
+            futures = [pool.submit(post, server, "/v1/prefill", {"input_ids": ids}) for ids in prompts]
+            deadline = time.monotonic() + 30
+            while sum(f.done() for f in futures) + httpx.get(f"{server.url}/health").json()["in_flight"] < len(prompts):
+                assert time.monotonic() < deadline, "36 prompts neither admitted nor refused within 30 s"
+                time.sleep(0.01)
+        answers = [f.result() for f in futures]
     codes = [r.status_code for r in answers]
     assert set(codes) == {200, 429}, codes
     for ids, r in zip(prompts, answers):
@@ -320,7 +333,7 @@ def test_overload_answers_429_with_retry_after(server, reference):
         assert w["forward_s"] > 0 and w["kv_write_s"] > 0 and w["outside_s"] > 0, w
 
 
-@pytest.mark.timeout(30)
+@server_timeout(30)
 def test_metrics_in_prometheus_text(server):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -346,7 +359,7 @@ def test_metrics_in_prometheus_text(server):
     assert errors.get("invalid_request_error", 0) >= 1, errors
 
 
-@pytest.mark.timeout(30)
+@server_timeout(30)
 def test_health_and_metrics_name_each_workers_device_and_memory(server):
     """Each worker reports where it runs, what it holds there, and how long it took to be ready (warmed up)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -377,7 +390,7 @@ def test_health_and_metrics_name_each_workers_device_and_memory(server):
     assert all(s.value > 0 for s in samples["dwdp_serve_worker_ready_seconds"]), samples["dwdp_serve_worker_ready_seconds"]
 
 
-@pytest.mark.timeout(30)
+@server_timeout(30)
 def test_fault_injection_is_off_unless_asked_for(server):
     r = post(server, "/admin/fault", {"rank": 1})
     assert r.status_code == 404 and "--fault-injection" in r.json()["error"]["message"], r.text
@@ -385,7 +398,7 @@ def test_fault_injection_is_off_unless_asked_for(server):
     assert all(w["routable"] and w["lost_peers"] == {} for w in health["workers"]), health
 
 
-@pytest.mark.timeout(120)
+@server_timeout(120)
 def test_short_load_loses_nothing_and_every_answer_names_its_worker(server, reference):
     """bench/serve_load.py's open-loop arrivals, prompts up to 1.5 x max_num_tokens (the long ones
     chunked): one answer per request, 200s name a rank and carry the unwrapped model's first token;

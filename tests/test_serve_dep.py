@@ -16,6 +16,7 @@ from dwdp.runtime.group import free_port
 from dwdp.serve.kv import read_kv_artifact
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
+from servers import SERVER_START_S, server_timeout
 
 VOCAB = 512
 ATOL, RTOL = 1e-4, 1e-4
@@ -32,7 +33,8 @@ def server(tmp_path_factory):
     (root / "kv").mkdir()
     proc = ServerProcess(["--mode", "dep", "--ranks", "2", "--preset", "tiny", "--max-num-tokens", "256",
                           "--step-timeout", "60", "--kv-dir", str(root / "kv")], free_port(),
-                         log_path=str(root / "log"))
+                         log_path=str(root / "log"),
+                         startup_timeout_s=SERVER_START_S)
     proc.start()
     yield proc
     proc.kill()
@@ -48,7 +50,7 @@ def reference(model, ids):
     return out.logits[0, -1], [(layer.keys, layer.values) for layer in out.past_key_values.layers]
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_dep_server_answers_like_the_unwrapped_model(server, model):
     """24 concurrent prompts of mixed lengths over 2 ranks: batches of different sizes per rank per
     step, idle steps when one rank's queue runs dry; every answer equals the unwrapped model's."""
@@ -72,7 +74,7 @@ def test_dep_server_answers_like_the_unwrapped_model(server, model):
     assert 'dwdp_serve_mode{mode="dep"} 1.0' in httpx.get(f"{server.url}/metrics").text
 
 
-@pytest.mark.timeout(60)
+@server_timeout(60)
 def test_openai_client_gets_a_dep_completion(server, model):
     openai = pytest.importorskip("openai")
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -82,7 +84,7 @@ def test_openai_client_gets_a_dep_completion(server, model):
     assert completion.choices[0].model_extra["token_ids"] == [int(logits.argmax())], completion
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_a_killed_dep_worker_fails_requests_by_name_and_hangs_none(server):
     """SIGKILL rank 1 while both ranks hold prompts: its running prompts fail as worker_died, rank
     0's as dep_group_broken naming rank 1, later ones as no_healthy_worker; all answered, none hung."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,6 +16,7 @@ import torch
 from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
 from dwdp.serve.presets import preset_model
+from servers import SERVER_START_S, paused, server_timeout
 
 VOCAB = 512
 
@@ -37,14 +39,16 @@ def mapped_inodes() -> set[int]:
 
 
 def unmapped(names: set[str]) -> set[str]:
-    """The entries of `names` still in /dev/shm that no live process maps: leaked ones."""
+    """The files of `names` still in /dev/shm that no live process maps: leaked ones. Directories are
+    not the server's (its segments go to its own DWDP_SHM_DIR): another test process made them."""
     live, left = mapped_inodes(), set()
     for name in names:
         try:
-            if os.stat(f"/dev/shm/{name}").st_ino not in live:
-                left.add(name)
+            info = os.stat(f"/dev/shm/{name}")
         except FileNotFoundError:
             continue
+        if not stat.S_ISDIR(info.st_mode) and info.st_ino not in live:
+            left.add(name)
     return left
 
 
@@ -60,9 +64,12 @@ def server(tmp_path_factory):
     (root / "kv").mkdir()
     shm_before = shm_entries()
     # --restart never: today's behaviour, a dead worker stays dead (test_serve_restart has the other)
+    # --stall-timeout 60: the tests pause workers (SIGSTOP) while they queue prompts; paused, they must not
+    # count as stalled on a loaded machine (stalls are test_failover's and the chaos bench's).
     proc = ServerProcess(["--ranks", "3", "--expert-replicas", "2", "--peer-timeout", "1", "--preset", "tiny",
-                          "--restart", "never", "--kv-dir", str(root / "kv")], free_port(),
-                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+                          "--restart", "never", "--stall-timeout", "60", "--kv-dir", str(root / "kv")], free_port(),
+                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
+                         startup_timeout_s=SERVER_START_S)
     proc.root, proc.shm_before = root, shm_before
     proc.start()
     yield proc
@@ -79,6 +86,23 @@ def prompts(seed: int, count: int, length: int) -> list[list[int]]:
     return torch.randint(3, VOCAB, (count, length), generator=gen).tolist()
 
 
+def kill_while_busy(server, pool, post, batch, victim: int) -> tuple[list, int]:
+    """Queue `batch` on paused workers (the router spreads it evenly), let them go, and SIGKILL worker
+    `victim` in the middle of a forward with prompts still queued behind it. Returns (futures, the
+    prompts it was running when killed). Each worker is handed more than one forward's worth of tokens,
+    so the state is there to see on any machine, however fast its forwards."""
+    pids = [w["pid"] for w in httpx.get(f"{server.url}/health", timeout=5).json()["workers"]]
+    with paused(pids):
+        futures = [pool.submit(post, ids) for ids in batch]
+        wait_for(server, lambda h: h["in_flight"] == len(batch))
+    wait_for(server, lambda h: h["workers"][victim]["running"] > 0 and h["workers"][victim]["queued"] > 0)
+    os.kill(pids[victim], signal.SIGSTOP)  # it starts no other forward: what the router counts stays true
+    time.sleep(0.3)  # its last messages reach the router
+    running = httpx.get(f"{server.url}/health", timeout=5).json()["workers"][victim]["running"]
+    os.kill(pids[victim], signal.SIGKILL)
+    return futures, running
+
+
 def wait_for(server, predicate, timeout_s: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -89,7 +113,7 @@ def wait_for(server, predicate, timeout_s: float = 30.0) -> dict:
     raise AssertionError(f"condition not reached within {timeout_s} s: {health}")
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_killing_a_worker_of_a_redundant_group_loses_no_request(server, model):
     """Every request gets an answer: the right first token, or a 5xx naming the killed rank (only
     those running on it when it died). Its queued requests go elsewhere, the survivors re-plan
@@ -97,11 +121,7 @@ def test_killing_a_worker_of_a_redundant_group_loses_no_request(server, model):
     batch = prompts(1, 24, 200)
     post = lambda ids: httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=120)
     with ThreadPoolExecutor(24) as pool:
-        futures = [pool.submit(post, ids) for ids in batch]
-        health = wait_for(server, lambda h: h["workers"][1]["running"] > 0 and h["workers"][1]["queued"] > 0)
-        running_on_victim = health["workers"][1]["running"]
-        victim = health["workers"][1]["pid"]
-        os.kill(victim, signal.SIGKILL)
+        futures, running_on_victim = kill_while_busy(server, pool, post, batch, victim=1)
         answers = [f.result() for f in futures]  # a request without an HTTP answer raises here: lost
     failed = [r for r in answers if r.status_code != 200]
     for r in failed:
@@ -127,16 +147,18 @@ def test_killing_a_worker_of_a_redundant_group_loses_no_request(server, model):
         assert r.json()["first_token_id"] == first_token(model, ids), r.json()
 
 
-@pytest.mark.timeout(90)
+@server_timeout(90)
 def test_sigterm_drains_in_flight_requests_and_leaves_nothing(server, model):
     health = httpx.get(f"{server.url}/health", timeout=5).json()
     pids = [w["pid"] for w in health["workers"]]
     batch = prompts(3, 8, 120)
     post = lambda ids: httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=60)
     with ThreadPoolExecutor(8) as pool:
-        futures = [pool.submit(post, ids) for ids in batch]
-        wait_for(server, lambda h: h["in_flight"] >= 4)
-        server.proc.send_signal(signal.SIGTERM)
+        with paused(pids):  # all 8 are in flight when SIGTERM comes, however fast the forwards
+            futures = [pool.submit(post, ids) for ids in batch]
+            wait_for(server, lambda h: h["in_flight"] == len(batch))
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the server stops listening before any of them is answered
         answers = [f.result() for f in futures]
     assert [r.status_code for r in answers] == [200] * len(batch), [r.text for r in answers]
     for ids, r in zip(batch, answers):

@@ -13,7 +13,8 @@ import pytest
 
 from dwdp.runtime.group import free_port
 from dwdp.serve.launch import ServerProcess
-from test_serve_lifecycle import first_token, model, prompts, wait_for  # noqa: F401 (model: a fixture)
+from servers import SERVER_START_S, server_timeout
+from test_serve_lifecycle import first_token, kill_while_busy, model, prompts, wait_for  # noqa: F401 (model: a fixture)
 
 BACKOFF_S = 0.2
 MAX_PER_MINUTE = 2
@@ -25,8 +26,10 @@ def server(tmp_path_factory):
     (root / "shm").mkdir()
     proc = ServerProcess(["--ranks", "3", "--expert-replicas", "2", "--peer-timeout", "1", "--preset", "tiny",
                           "--fault-injection", "--restart", "on-failure", "--restart-backoff", str(BACKOFF_S),
+                          "--stall-timeout", "60",  # workers paused on purpose (kill_while_busy) are not stalled
                           "--max-restarts-per-minute", str(MAX_PER_MINUTE)], free_port(),
-                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"))
+                         env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
+                         startup_timeout_s=SERVER_START_S)
     proc.root = root
     proc.start()
     yield proc
@@ -37,18 +40,15 @@ def _post(server, ids):
     return httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=120)
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_a_killed_worker_is_restarted_rejoins_and_serves_again_with_no_request_lost(server, model):
     health = httpx.get(f"{server.url}/health", timeout=5).json()
     initial = health["redundancy"]  # the placement's: 2 or 3 owners per expert
     assert initial and health["min_redundancy"] == 2 and health["restarts"] == 0, health
-    batch = prompts(11, 16, 120)
-    with ThreadPoolExecutor(16) as pool:
-        futures = [pool.submit(_post, server, ids) for ids in batch]
-        health = wait_for(server, lambda h: h["workers"][1]["running"] > 0 and h["workers"][1]["queued"] > 0)
-        running_on_victim = health["workers"][1]["running"]
-        victim = health["workers"][1]["pid"]
-        os.kill(victim, signal.SIGKILL)
+    batch = prompts(11, 24, 200)  # 8 prompts of 200 tokens a worker: more than one forward (1024 tokens)
+    victim = health["workers"][1]["pid"]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        futures, running_on_victim = kill_while_busy(server, pool, lambda ids: _post(server, ids), batch, victim=1)
         killed_at = time.monotonic()
         during = wait_for(server, lambda h: h["workers"][1]["restarts"] == 1)
         answers = [f.result() for f in futures]  # a request without an HTTP answer raises here: lost
@@ -80,7 +80,7 @@ def test_a_killed_worker_is_restarted_rejoins_and_serves_again_with_no_request_l
     print(f"kill -> worker 1 routable again with full redundancy: {healed_s:.2f} s")
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_the_worker_hosting_the_group_store_is_restarted_and_rejoins_too(server, model):
     """Worker 0 hosts the process group's store (the setup's one collective). Nothing after setup
     needs it: killed, it is started again, rejoins through the board, and serves; the server still
@@ -102,7 +102,7 @@ def test_the_worker_hosting_the_group_store_is_restarted_and_rejoins_too(server,
         assert r.json()["first_token_id"] == first_token(model, ids), r.json()
 
 
-@pytest.mark.timeout(240)
+@server_timeout(240)
 def test_a_worker_that_keeps_dying_is_left_down_with_its_reason(server, model):
     """Rank 2 loses its device (the fault hook): the router stops it and starts it again; then it is
     killed each time it comes up: restarted MAX_PER_MINUTE times in all with a growing back-off,

@@ -443,11 +443,17 @@ def test_a_worker_killed_mid_message_cuts_only_its_own_results_pipe(tmp_path):
     live_reader, live_writer = ctx.Pipe(duplex=False)
     victim = ctx.Process(target=_half_a_message_then_killed, args=(dead_writer,))
     victim.start()
-    dead_writer.close()
-    readers = [threading.Thread(target=pool._read_results, args=(r,), daemon=True) for r in (dead_reader, live_reader)]
-    for t in readers:
-        t.start()
-    victim.join(timeout=30)
+    try:
+        dead_writer.close()
+        readers = [threading.Thread(target=pool._read_results, args=(r,), daemon=True)
+                   for r in (dead_reader, live_reader)]
+        for t in readers:
+            t.start()
+        victim.join(timeout=30)
+    finally:
+        if victim.is_alive():
+            victim.kill()
+            victim.join(10)
     readers[0].join(timeout=10)
     assert not readers[0].is_alive(), "the reader of a killed worker's pipe hangs on its half message"
     ResultsChannel(live_writer).put(("rank 1", "still heard"))

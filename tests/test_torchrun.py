@@ -1,10 +1,10 @@
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from dwdp.runtime.group import free_port
+from procs import run
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_tiny.py"
 
@@ -13,7 +13,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "torchrun_tiny.py"
 def test_ranks_join_through_torchrun_env(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(free_port()), str(EXAMPLE), "--family", "mixtral"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170,
+    proc = run(cmd, timeout=170,
                           env={"PATH": "/usr/bin:/bin", "DWDP_SHM_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from dwdp.observe.traces import TraceFormatError, load_trace
 from dwdp.observe.traces.breakdown import breakdown_trace, compare, summarize
 from dwdp.observe.traces.bubbles import bubbles_trace, per_layer
 from dwdp.observe.traces.contention import contended_waits, measure_contention, wait_episodes
+from procs import run
 
 REPO = Path(__file__).resolve().parents[1]
 US = 1000  # ns per us: the Nsight database is in ns
@@ -364,7 +364,7 @@ def demo_traces(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("demo_traces")
     cmd = [sys.executable, "-m", "dwdp", "demo", "--ranks", "4", "--trace", str(out), "--prompts", "1",
            "--max-len", "16", "--repeats", "1"]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=170, cwd=REPO)
+    proc = run(cmd, timeout=170, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return out
 

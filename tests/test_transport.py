@@ -76,7 +76,12 @@ def _allocate_and_crash(shm_dir: str) -> None:
 def test_segment_of_crashed_owner_is_swept(tmp_path):
     proc = mp.get_context("spawn").Process(target=_allocate_and_crash, args=(str(tmp_path),))
     proc.start()
-    proc.join(30)
+    try:
+        proc.join(30)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(10)
     assert proc.exitcode == 3
     leftovers = list(tmp_path.glob(f"{SEGMENT_PREFIX}*"))
     assert len(leftovers) == 1

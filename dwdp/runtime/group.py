@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dwdp import envs
+from dwdp.runtime.processes import descendants, kill_pids
 
 
 @dataclass
@@ -149,36 +150,49 @@ def _child(fn, rank: int, world: int, port: int, args: tuple, results, env: dict
             dist.destroy_process_group()
 
 
+def rank_context():
+    """The multiprocessing context launch_local's ranks start in: spawn, or with DWDP_FORKSERVER_PRELOAD
+    set, a forkserver that imported torch, dwdp and those modules once. Ranks forked from it start in a
+    fraction of a spawned rank's time: importing torch and transformers is most of a tiny rank's start."""
+    import multiprocessing as mp
+
+    preload = envs.forkserver_preload()
+    if preload is None:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "dwdp", *preload])  # read when the server starts: at its first use
+    return ctx
+
+
 class LaunchError(RuntimeError):
     """A rank of a local group failed or did not finish in time."""
 
 
 def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None,
                  may_die: tuple[int, ...] = ()) -> list:
-    """Run `fn(rank, *args)` in `nprocs` spawned processes forming one env:// world on loopback.
+    """Run `fn(rank, *args)` in `nprocs` new processes (see rank_context) forming one env:// world on loopback.
 
     Returns the per-rank return values (picklable). Raises LaunchError naming the rank on the first
     failure, a crash without a result, or when `timeout_s` passes; every child is stopped.
     may_die: ranks killed on purpose (chaos tests): their exit without a result gives None.
     """
-    import multiprocessing as mp
     import queue
     import time
 
     if nprocs < 1:
         raise ValueError(f"nprocs={nprocs} must be >= 1")
-    ctx = mp.get_context("spawn")
+    ctx = rank_context()
     results = ctx.Queue()
     port = free_port()
     procs = [
         ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results, dict(env or {})), daemon=False)
         for r in range(nprocs)
     ]
-    for p in procs:
-        p.start()
     values: dict[int, object] = {}
     deadline = time.monotonic() + timeout_s
     try:
+        for p in procs:
+            p.start()
         while len(values) < nprocs:
             try:
                 rank, ok, value = results.get(timeout=0.5)
@@ -205,10 +219,19 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
         for p in procs:
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
-                if p.is_alive():
-                    p.kill()
+        _stop_ranks(procs)
     return [values[r] for r in range(nprocs)]
+
+
+def _stop_ranks(procs) -> None:
+    """Stop every started rank still running, and first whatever it started itself (a rank waiting on
+    a child it spawned would otherwise leave that child behind as an orphan)."""
+    started = [p for p in procs if p.pid is not None]
+    kill_pids(pid for p in started if p.is_alive() for pid in descendants(p.pid))
+    for p in started:
+        if p.is_alive():
+            p.terminate()
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)

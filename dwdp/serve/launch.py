@@ -9,12 +9,27 @@ import time
 
 import httpx
 
+from dwdp.runtime.processes import group_members, kill_group
+
+LOG_TAIL_LINES = 20  # of the server's output, in the error of a start that failed
+STRAGGLER_GRACE_S = 5.0  # after a graceful exit, for the rest of the server's group to end on its own
+
+
+class ServerStartError(RuntimeError):
+    """`dwdp serve` exited, or did not answer /health in time; the message says how long the start
+    waited and what the server printed last."""
+
 
 class ServerProcess:
     """`python -m dwdp serve <args>` on 127.0.0.1:`port`; use as a context manager.
 
-    start() returns once GET /health answers 200 (or raises with the server's output after
-    `startup_timeout_s`); stop() sends SIGTERM (graceful drain) and returns the exit code.
+    start() returns once GET /health answers 200, or raises ServerStartError (how long it waited,
+    the last lines of the server's output) when the server exits or `startup_timeout_s` passes.
+    stop() sends SIGTERM (graceful drain) and returns the exit code; kill() ends the server at once.
+    The server runs in a session of its own, so its workers share its process group: whichever way
+    start() is left without returning (that error, a KeyboardInterrupt, pytest-timeout firing inside
+    its wait), and on every stop() or kill(), that whole group is killed, so nothing it started can
+    outlive it. `left_behind`: pids still running in the group after the server itself had exited.
     """
 
     def __init__(self, args: list[str], port: int, env: dict | None = None, startup_timeout_s: float = 120.0,
@@ -26,24 +41,41 @@ class ServerProcess:
         self.startup_timeout_s = startup_timeout_s
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
+        self.left_behind: list[int] = []
         self._log = None
 
     def start(self) -> "ServerProcess":
         cmd = [sys.executable, "-m", "dwdp", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
         self._log = open(self.log_path, "w+") if self.log_path else subprocess.DEVNULL
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + self.startup_timeout_s
-        while time.monotonic() < deadline:
+        started = time.monotonic()
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_healthy(started)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _wait_healthy(self, started: float) -> None:
+        while time.monotonic() - started < self.startup_timeout_s:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"dwdp serve exited with code {self.proc.returncode}:\n{self.output()}")
+                raise ServerStartError(f"dwdp serve exited with code {self.proc.returncode} after "
+                                       f"{time.monotonic() - started:.1f} s; {self._tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
-                    return self
+                    return
             except httpx.TransportError:
                 pass  # not listening yet
             time.sleep(0.2)
-        self.kill()
-        raise RuntimeError(f"dwdp serve was not healthy within {self.startup_timeout_s:.0f} s:\n{self.output()}")
+        raise ServerStartError(f"dwdp serve was not healthy within its start-up bound of {self.startup_timeout_s:.0f} s "
+                               f"(waited {time.monotonic() - started:.1f} s); {self._tail()}")
+
+    def _tail(self) -> str:
+        lines = self.output().rstrip().splitlines()
+        if not lines:
+            return "it printed nothing"
+        return f"the last {min(len(lines), LOG_TAIL_LINES)} lines of its output:\n" + "\n".join(lines[-LOG_TAIL_LINES:])
 
     def output(self) -> str:
         if self._log in (None, subprocess.DEVNULL):
@@ -55,23 +87,42 @@ class ServerProcess:
     def stop(self, timeout_s: float = 60.0) -> int:
         if self.proc is None:
             return 0
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
+        try:
+            if self.proc.poll() is None:
+                self.proc.send_signal(signal.SIGTERM)
                 self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        except subprocess.TimeoutExpired:
+            self.kill()  # the drain took too long
+        except BaseException:
+            self.kill()
+            raise
+        self._sweep(grace_s=STRAGGLER_GRACE_S)
         return self.proc.returncode
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
+        """SIGKILL the server and everything in its process group; waits for the server."""
+        if self.proc is None:
+            return
+        kill_group(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.kill()  # not yet its own group leader: killed between fork and setsid
+        self.proc.wait(timeout=10)
+        self._sweep(grace_s=0.0)
+
+    def _sweep(self, grace_s: float) -> None:
+        """Once the server has exited: give what is left of its group `grace_s` to exit on its own
+        (multiprocessing's resource tracker ends just after it), then kill it and name it in left_behind."""
+        deadline = time.monotonic() + grace_s
+        while group_members(self.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.left_behind = sorted(set(self.left_behind) | set(kill_group(self.proc.pid)))
 
     def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc):
-        self.stop()
-        if self._log not in (None, subprocess.DEVNULL):
-            self._log.close()
+        try:
+            self.stop()
+        finally:
+            if self._log not in (None, subprocess.DEVNULL):
+                self._log.close()

@@ -53,6 +53,9 @@ def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
     started = time.monotonic()
     try:
         pool.start()
+        # A start that never gets ready (a launcher's bound runs out) shows how far it got in the log.
+        print(f"dwdp serve: {config.ranks} {config.mode} workers started; waiting for them to build the model and "
+              f"join (at most {config.startup_timeout_s:.0f} s)", flush=True)
         try:
             pool.wait_ready()
         except StartupError as exc:
