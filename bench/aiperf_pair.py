@@ -30,10 +30,10 @@ from pathlib import Path
 
 import httpx
 
+from dwdp.integrations import VLLM_KV_TRANSFER_CONFIG
+
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny-moe"  # the checkpoint directory's name: dwdp's model name, and vLLM's --served-model-name
-CONNECTOR = {"kv_connector": "DWDPConnector", "kv_connector_module_path": "dwdp.integrations.vllm_connector",
-             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
 
 
 def free_port() -> int:
@@ -71,7 +71,7 @@ def vllm_cmd(args, checkpoint: Path, port: int, connector: bool) -> list[str]:
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
            "--block-size", "32", "--port", str(port), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"]
-    return cmd + (["--kv-transfer-config", json.dumps(CONNECTOR)] if connector else [])
+    return cmd + (["--kv-transfer-config", json.dumps(VLLM_KV_TRANSFER_CONFIG)] if connector else [])
 
 
 def aiperf(args, url: str, load: str, out: Path) -> dict:

@@ -6,3 +6,9 @@ vllm_pages: its cache-writing half; kv_transfer: its transfer half (where the KV
 May import: `dwdp.serve.kv` (the artifact format) and the leaves `dwdp.envs`, `dwdp.versions`; never
 the runtime, the models or the server, whose dependencies a decode engine's environment lacks.
 """
+
+# vLLM's --kv-transfer-config for a decode server that continues from dwdp's KV (as JSON on its command
+# line): our connector, consuming only, and a prompt whose KV cannot be read is recomputed, not failed.
+VLLM_KV_TRANSFER_CONFIG = {"kv_connector": "DWDPConnector",
+                           "kv_connector_module_path": "dwdp.integrations.vllm_connector",
+                           "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}

@@ -258,16 +258,9 @@ def fitted_service(results: dict, mix: str, packed: bool = False, variants: tupl
         fits[mode] = (max(float(a), 0.0), max(float(b), 0.0))
         overhead[mode] = float(np.mean([s["ttft_s"] - s["queue_s"] - s["prefill_s"] for s in samples]))
 
-    def forward_s(lengths):
-        a, b = fits["dwdp"]
-        return a + b * computed_tokens(lengths, packed)
-
-    def step_s(per_rank):
-        a, b = fits["dep"]
-        return a + b * max(computed_tokens(lengths, packed) for lengths in per_rank)
-
-    return Service(forward_s, step_s, overhead, f"fitted to measured forwards of {variants}: dwdp {fits['dwdp']}, "
-                   f"dep {fits['dep']} (seconds, seconds per computed token)", packed)
+    source = (f"fitted to measured forwards of {variants}: dwdp {fits['dwdp']}, dep {fits['dep']} "
+              "(seconds, seconds per computed token)")
+    return line_service(fits, {}, overhead, packed, source)
 
 
 def line_service(lines: dict, outside: dict, overhead_s: dict, packed: bool, source: str) -> Service:

@@ -21,14 +21,14 @@ from pathlib import Path
 
 import pytest
 
+from dwdp.integrations import VLLM_KV_TRANSFER_CONFIG
+
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
 MLA_BLOCK_SIZE = 16        # vLLM's CPU MLA backend takes only this
 MAX_MODEL_LEN = 2048
 DWDP_MAX_NUM_TOKENS = 128  # prompts longer than this are prefilled by dwdp in chunks
 VLLM_MODEL = "tiny-vllm"   # vLLM's served name; dwdp names the model after the checkpoint directory
-CONNECTOR = {"kv_connector": "DWDPConnector", "kv_connector_module_path": "dwdp.integrations.vllm_connector",
-             "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute"}
 
 
 def free_port() -> int:
@@ -125,7 +125,7 @@ def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> Server:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", VLLM_MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len",
            str(MAX_MODEL_LEN), "--block-size", str(block_size), "--no-enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(CONNECTOR)]
+           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(VLLM_KV_TRANSFER_CONFIG)]
     port = free_port()
     server = Server("vllm", cmd + ["--port", str(port)], port, logs / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     return server.wait_ready(600)
