@@ -25,14 +25,15 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
 
 from dwdp.integrations import VLLM_KV_TRANSFER_CONFIG
+from dwdp.serve.launch import HttpServerProcess, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
+STARTUP_S = 900  # a start-up bound per server: vLLM's CPU build takes minutes on a loaded machine
 MODEL = "tiny-moe"  # the checkpoint directory's name: dwdp's model name, and vLLM's --served-model-name
 
 
@@ -40,31 +41,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def start(cmd: list[str], port: int, log: Path, env: dict | None = None, timeout_s: float = 900) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited with {proc.returncode}: see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError(f"{cmd[:4]} not ready in {timeout_s:.0f} s: see {log}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def vllm_cmd(args, checkpoint: Path, port: int, connector: bool) -> list[str]:
@@ -142,22 +118,19 @@ def main() -> int:
     external = []
     for repeat in range(args.repeats):
         port = free_port()
-        vllm = start(vllm_cmd(args, args.checkpoint, port, connector=False), port, work / f"vllm_alone_{repeat}.log",
-                     env)
-        try:
+        with HttpServerProcess(vllm_cmd(args, args.checkpoint, port, connector=False), port, env, STARTUP_S,
+                               str(work / f"vllm_alone_{repeat}.log"), name="vllm"):
             measure(args, "vllm", f"http://127.0.0.1:{port}", runs, work, repeat)
-        finally:
-            stop(vllm)
 
         vport, dport = free_port(), free_port()
-        vllm = start(vllm_cmd(args, args.checkpoint, vport, connector=True), vport,
-                     work / f"vllm_connector_{repeat}.log", env)
         kv_dir = Path("/dev/shm") / f"dwdp-aiperf-kv-{os.getpid()}"
+        dwdp_args = ["--ranks", str(args.ranks), "--model", str(args.checkpoint), "--kv-dir", str(kv_dir),
+                     "--decode-url", f"http://127.0.0.1:{vport}"]
         try:
-            dwdp = start([sys.executable, "-m", "dwdp", "serve", "--ranks", str(args.ranks), "--model",
-                          str(args.checkpoint), "--port", str(dport), "--kv-dir", str(kv_dir), "--decode-url",
-                          f"http://127.0.0.1:{vport}"], dport, work / f"dwdp_{repeat}.log")
-            try:
+            with HttpServerProcess(vllm_cmd(args, args.checkpoint, vport, connector=True), vport, env, STARTUP_S,
+                                   str(work / f"vllm_connector_{repeat}.log"), name="vllm"), \
+                    ServerProcess(dwdp_args, dport, startup_timeout_s=STARTUP_S,
+                                  log_path=str(work / f"dwdp_{repeat}.log")):
                 # The same connector-loaded vLLM asked directly, without kv_transfer_params: what the connector
                 # machinery costs vLLM, apart from dwdp's prefill and hop.
                 measure(args, "vllm+connector", f"http://127.0.0.1:{vport}", runs, work, repeat)
@@ -166,10 +139,7 @@ def main() -> int:
                 external += [line for line in loaded.splitlines()
                              if line.startswith("vllm:prompt_tokens_by_source_total")
                              and "external_kv_transfer" in line]
-            finally:
-                stop(dwdp)
         finally:
-            stop(vllm)
             for leftover in kv_dir.glob("*"):
                 leftover.unlink()
             if kv_dir.exists():

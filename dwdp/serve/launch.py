@@ -1,4 +1,5 @@
-"""Start `dwdp serve` as a subprocess and wait until it answers /health (tests, benchmarks)."""
+"""Start a server (`dwdp serve`, or another HTTP server such as vLLM's) as a subprocess and wait until it
+answers /health; on every way out, nothing it started is left running (tests, benchmarks)."""
 from __future__ import annotations
 
 import os
@@ -16,26 +17,29 @@ STRAGGLER_GRACE_S = 5.0  # after a graceful exit, for the rest of the server's g
 
 
 class ServerStartError(RuntimeError):
-    """`dwdp serve` exited, or did not answer /health in time; the message says how long the start
+    """A server exited, or did not answer /health in time; the message says how long the start
     waited and what the server printed last."""
 
 
-class ServerProcess:
-    """`python -m dwdp serve <args>` on 127.0.0.1:`port`; use as a context manager.
+class HttpServerProcess:
+    """A server command `cmd` that listens on 127.0.0.1:`port` and answers GET /health; use as a
+    context manager. `name` names it in errors (`dwdp serve`, `vllm`).
 
     start() returns once GET /health answers 200, or raises ServerStartError (how long it waited,
     the last lines of the server's output) when the server exits or `startup_timeout_s` passes.
     stop() sends SIGTERM (graceful drain) and returns the exit code; kill() ends the server at once.
-    The server runs in a session of its own, so its workers share its process group: whichever way
-    start() is left without returning (that error, a KeyboardInterrupt, pytest-timeout firing inside
-    its wait), and on every stop() or kill(), that whole group is killed, so nothing it started can
-    outlive it. `left_behind`: pids still running in the group after the server itself had exited.
+    The server runs in a session of its own, so what it starts shares its process group: whichever
+    way start() is left without returning (that error, a KeyboardInterrupt, pytest-timeout firing
+    inside its wait), and on every stop() or kill(), that whole group is killed, so nothing it started
+    can outlive it. `left_behind`: pids still running in the group after the server itself had exited.
     """
 
-    def __init__(self, args: list[str], port: int, env: dict | None = None, startup_timeout_s: float = 120.0,
-                 log_path: str | None = None):
-        self.args = list(args)
+    def __init__(self, cmd: list[str], port: int, env: dict | None = None, startup_timeout_s: float = 120.0,
+                 log_path: str | None = None, name: str = "server", cwd: str | None = None):
+        self.cmd = list(cmd)
         self.port = port
+        self.name = name
+        self.cwd = cwd
         self.url = f"http://127.0.0.1:{port}"
         self.env = {**os.environ, **(env or {})}
         self.startup_timeout_s = startup_timeout_s
@@ -44,11 +48,10 @@ class ServerProcess:
         self.left_behind: list[int] = []
         self._log = None
 
-    def start(self) -> "ServerProcess":
-        cmd = [sys.executable, "-m", "dwdp", "serve", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+    def start(self) -> "HttpServerProcess":
         self._log = open(self.log_path, "w+") if self.log_path else subprocess.DEVNULL
         started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.cmd, env=self.env, cwd=self.cwd, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:
             self._wait_healthy(started)
@@ -60,7 +63,7 @@ class ServerProcess:
     def _wait_healthy(self, started: float) -> None:
         while time.monotonic() - started < self.startup_timeout_s:
             if self.proc.poll() is not None:
-                raise ServerStartError(f"dwdp serve exited with code {self.proc.returncode} after "
+                raise ServerStartError(f"{self.name} exited with code {self.proc.returncode} after "
                                        f"{time.monotonic() - started:.1f} s; {self._tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
@@ -68,8 +71,8 @@ class ServerProcess:
             except httpx.TransportError:
                 pass  # not listening yet
             time.sleep(0.2)
-        raise ServerStartError(f"dwdp serve was not healthy within its start-up bound of {self.startup_timeout_s:.0f} s "
-                               f"(waited {time.monotonic() - started:.1f} s); {self._tail()}")
+        raise ServerStartError(f"{self.name} was not healthy within its start-up bound of "
+                               f"{self.startup_timeout_s:.0f} s (waited {time.monotonic() - started:.1f} s); {self._tail()}")
 
     def _tail(self) -> str:
         lines = self.output().rstrip().splitlines()
@@ -126,3 +129,13 @@ class ServerProcess:
         finally:
             if self._log not in (None, subprocess.DEVNULL):
                 self._log.close()
+
+
+class ServerProcess(HttpServerProcess):
+    """`python -m dwdp serve <args>` on 127.0.0.1:`port` (this interpreter), as HttpServerProcess."""
+
+    def __init__(self, args: list[str], port: int, env: dict | None = None, startup_timeout_s: float = 120.0,
+                 log_path: str | None = None):
+        self.args = list(args)
+        cmd = [sys.executable, "-m", "dwdp", "serve", "--host", "127.0.0.1", "--port", str(port), *self.args]
+        super().__init__(cmd, port, env, startup_timeout_s, log_path, name="dwdp serve")

@@ -16,12 +16,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from dwdp.integrations import VLLM_KV_TRANSFER_CONFIG
+from dwdp.serve.launch import HttpServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 BLOCK_SIZE = 32
@@ -43,47 +43,6 @@ def serve_python() -> str:
         pytest.fail("DWDP_TEST_SERVE_PYTHON is not set: give the python of a venv with dwdp's serve extra "
                     "(`dwdp serve` runs there, beside this vLLM venv)")
     return python
-
-
-class Server:
-    """A server subprocess on a free loopback port, its output in a log file; stop() ends it."""
-
-    def __init__(self, name: str, cmd: list[str], port: int, log: Path, env: dict | None = None):
-        self.name, self.port, self.log = name, port, log
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT),
-                                     env={**os.environ, **(env or {})})
-
-    def wait_ready(self, timeout_s: float) -> "Server":
-        import httpx
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"{self.name} exited with {self.proc.returncode}:\n{self.output()[-4000:]}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(1)
-        self.stop()
-        pytest.fail(f"{self.name} not ready in {timeout_s:.0f} s:\n{self.output()[-4000:]}")
-
-    def output(self) -> str:
-        self._log.flush()
-        return self.log.read_text(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=10)
-        self._log.close()
 
 
 def save_checkpoint(path: Path, family: str) -> Path:
@@ -117,7 +76,7 @@ def kv_dir(request, tmp_path_factory) -> Path:
     path.rmdir()
 
 
-def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> Server:
+def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> HttpServerProcess:
     """vLLM's OpenAI server on `checkpoint`, with dwdp's connector; prefix caching off, so a prompt is
     either computed or loaded from dwdp's KV, never found in vLLM's own cache."""
     import json
@@ -127,17 +86,19 @@ def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> Server:
            str(MAX_MODEL_LEN), "--block-size", str(block_size), "--no-enable-prefix-caching",
            "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(VLLM_KV_TRANSFER_CONFIG)]
     port = free_port()
-    server = Server("vllm", cmd + ["--port", str(port)], port, logs / "vllm.log", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    return server.wait_ready(600)
+    return HttpServerProcess(cmd + ["--port", str(port)], port, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
+                             startup_timeout_s=600, log_path=str(logs / "vllm.log"), name="vllm",
+                             cwd=str(ROOT)).start()
 
 
-def start_dwdp(checkpoint: Path, vllm: Server, kv_dir: Path, logs: Path) -> Server:
+def start_dwdp(checkpoint: Path, vllm: HttpServerProcess, kv_dir: Path, logs: Path) -> HttpServerProcess:
     """`dwdp serve` on the same checkpoint, two ranks, handing every completion to vLLM."""
     port = free_port()
     cmd = [serve_python(), "-m", "dwdp", "serve", "--ranks", "2", "--model", str(checkpoint), "--host", "127.0.0.1",
            "--port", str(port), "--kv-dir", str(kv_dir), "--max-num-tokens", str(DWDP_MAX_NUM_TOKENS),
            "--decode-url", vllm.url]
-    return Server("dwdp serve", cmd, port, logs / "dwdp.log").wait_ready(300)
+    return HttpServerProcess(cmd, port, startup_timeout_s=300, log_path=str(logs / "dwdp.log"), name="dwdp serve",
+                             cwd=str(ROOT)).start()
 
 
 @pytest.fixture(scope="module")

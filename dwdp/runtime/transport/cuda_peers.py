@@ -65,8 +65,11 @@ class PeerMapping:
                 for r, handle in enumerate(handles)]
 
     def open_peer(self, peer: int, handle: dict) -> int:
-        """Map `peer`'s segment; its address here."""
-        raise NotImplementedError(f"mapping {self.mapping!r} opens every peer at once")
+        """Map `peer`'s segment; its address here. Every mapping that opens peers one at a time
+        (ipc, the VMM ones, process) overrides it; symmetric_memory maps all of them in one rendezvous
+        in open() and cannot open one later (it is not rejoinable, so the transport never asks)."""
+        raise NotImplementedError(f"rank {self.rank}: mapping {self.mapping!r} maps every peer in one rendezvous; "
+                                  f"it cannot open peer {peer} alone")
 
     def seal(self) -> None:
         """Close exports no peer needs any more (every peer opened this rank's segment)."""
