@@ -7,7 +7,6 @@ wrong argument type shows up without a GPU.
 """
 import ctypes
 import inspect
-import time
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from cuda.bindings import runtime as rt
 from dwdp.runtime.plan import build_copy_plan
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.transport.cuda_api import BatchCopyError, CudaError, NoCudaDriverError
+from deadlines import VirtualClock
 from fake_cuda import FakeGroup
 
 pytestmark = pytest.mark.no_cuda_driver  # the no-driver answers of the real bindings
@@ -170,7 +170,11 @@ def test_event_query_sticky_error_names_it(monkeypatch):
 def test_event_wait_gives_up_at_its_deadline_without_event_synchronize(monkeypatch):
     monkeypatch.setattr(rt, "cudaEventQuery", lambda ev: (rt.cudaError_t.cudaErrorNotReady,))
     monkeypatch.setattr(rt, "cudaEventSynchronize", lambda ev: pytest.fail("cudaEventSynchronize has no deadline"))
-    start = time.perf_counter()
+    clock = VirtualClock()
+    monkeypatch.setattr(cuda_api, "time", clock)
     with pytest.raises(TimeoutError, match="not done after 0.2 s"):
         cuda_api.event_wait(0x10, 0.2)
-    assert 0.2 <= time.perf_counter() - start < 0.5
+    # It polled until the deadline, backing off to at most 1 ms a pause, and gave up at the first poll past it.
+    assert max(clock.sleeps) <= 1e-3 and clock.sleeps[0] < clock.sleeps[-1], clock.sleeps[:3]
+    waited = clock.now - 1000.0
+    assert 0.2 <= waited < 0.2 + max(clock.sleeps), f"gave up after {waited:.4f} s of polling, deadline 0.2 s"

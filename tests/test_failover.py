@@ -20,11 +20,11 @@ from dwdp.runtime.failover import ExpertsUnavailable
 from dwdp.runtime.group import init_group, launch_local
 from dwdp.runtime.model import DWDPModel
 from dwdp.models.tiny import build_tiny_model
+from deadlines import LOADED_SLACK_S
 from logits_check import ATOL, RTOL
 
 VICTIM = 2
 PEER_TIMEOUT_S = 0.5
-SLACK_S = 5.0  # two shared cores: scheduling, not detection, dominates this
 MODEL = dict(num_experts=6, top_k=2, num_layers=3, seed=11)  # 3 MoE layers of 6 experts
 
 
@@ -258,6 +258,6 @@ def test_without_redundancy_a_forward_needing_lost_experts_fails_at_once_naming_
         assert experts and set(experts) <= set(r["victim_owns"]), (rank, experts, r["victim_owns"])
         assert f"experts {list(experts)}" in message and f"rank {VICTIM}" in message, message
         assert lost == [VICTIM], (rank, lost)
-        assert r["seconds_to_error"] <= PEER_TIMEOUT_S + SLACK_S, f"rank {rank}: {r['seconds_to_error']:.2f} s"
+        assert r["seconds_to_error"] <= PEER_TIMEOUT_S + LOADED_SLACK_S, f"rank {rank}: {r['seconds_to_error']:.2f} s"
         assert r["status"] == ([VICTIM], tuple(r["victim_owns"]), False), (rank, r["status"])
     assert list(shm.iterdir()) == [], f"left in the shm dir: {list(shm.iterdir())}"

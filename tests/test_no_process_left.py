@@ -20,7 +20,8 @@ import pytest
 from dwdp.runtime.group import free_port, launch_local
 from dwdp.runtime.processes import descendants, group_members, is_running, kill_pids
 from dwdp.serve.launch import ServerProcess, ServerStartError
-from procs import run
+from deadlines import LOADED_SLACK_S
+from procs import INTERRUPT_GRACE_S, run
 
 RANKS = 2
 WAIT_S = 90.0  # for the watched processes to appear on a loaded 2-core machine
@@ -172,6 +173,8 @@ def test_a_command_run_by_the_tests_leaves_nothing_when_its_wait_is_interrupted(
     started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         run([sys.executable, "-c", script], timeout=15)
-    assert time.monotonic() - started < 40, "the group was not ended promptly after the timeout"
+    # The timeout, then SIGINT's grace before SIGKILL, then a busy machine's scheduling.
+    bound = 15 + INTERRUPT_GRACE_S + LOADED_SLACK_S
+    assert time.monotonic() - started < bound, f"the group was not ended within {bound} s of the command's start"
     child = int((tmp_path / "pids").read_text())
     _assert_all_gone([child], "the command's child")

@@ -102,7 +102,8 @@ def test_a_killed_dep_worker_fails_requests_by_name_and_hangs_none(server):
         killed = time.monotonic()
         answers = [f.result() for f in futures]
         answered_after_s = time.monotonic() - killed
-    assert answered_after_s < 20, f"requests still open {answered_after_s:.1f} s after the kill"
+    # Well before the server's 60 s step timeout: the peer's closed connections ended the step, not the clock.
+    assert answered_after_s < 40, f"requests still open {answered_after_s:.1f} s after the kill"
     errors = [r.json()["error"] for r in answers if r.status_code != 200]
     assert all(r.status_code in (200, 503) for r in answers), [r.text for r in answers]
     kinds = {e["type"] for e in errors}
