@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import socket
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import httpx
 
-from dwdp.integrations import VLLM_KV_TRANSFER_CONFIG
+from dwdp.integrations import vllm_kv_transfer_config
 from dwdp.serve.launch import HttpServerProcess, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,11 +44,12 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def vllm_cmd(args, checkpoint: Path, port: int, connector: bool) -> list[str]:
+def vllm_cmd(args, checkpoint: Path, port: int, kv_dir: Path | None) -> list[str]:
+    """vLLM's server command; with dwdp's connector reading `kv_dir` when one is given."""
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048",
            "--block-size", "32", "--port", str(port), "--enable-prompt-tokens-details", "--no-enable-prefix-caching"]
-    return cmd + (["--kv-transfer-config", json.dumps(VLLM_KV_TRANSFER_CONFIG)] if connector else [])
+    return cmd + (["--kv-transfer-config", json.dumps(vllm_kv_transfer_config(str(kv_dir)))] if kv_dir else [])
 
 
 def aiperf(args, url: str, load: str, out: Path) -> dict:
@@ -113,12 +115,13 @@ def main() -> int:
                        check=True)
     args.prompts = work / "prompts.jsonl"
     write_prompts(args.prompts, args.isl, args.isl_stddev)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    # The KV hand-off's key, the same for both servers, as docs/decode-with-vllm.md sets it.
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "DWDP_KV_KEY": secrets.token_hex(32)}
     runs: list[dict] = []
     external = []
     for repeat in range(args.repeats):
         port = free_port()
-        with HttpServerProcess(vllm_cmd(args, args.checkpoint, port, connector=False), port, env, STARTUP_S,
+        with HttpServerProcess(vllm_cmd(args, args.checkpoint, port, None), port, env, STARTUP_S,
                                str(work / f"vllm_alone_{repeat}.log"), name="vllm"):
             measure(args, "vllm", f"http://127.0.0.1:{port}", runs, work, repeat)
 
@@ -127,9 +130,9 @@ def main() -> int:
         dwdp_args = ["--ranks", str(args.ranks), "--model", str(args.checkpoint), "--kv-dir", str(kv_dir),
                      "--decode-url", f"http://127.0.0.1:{vport}"]
         try:
-            with HttpServerProcess(vllm_cmd(args, args.checkpoint, vport, connector=True), vport, env, STARTUP_S,
+            with HttpServerProcess(vllm_cmd(args, args.checkpoint, vport, kv_dir), vport, env, STARTUP_S,
                                    str(work / f"vllm_connector_{repeat}.log"), name="vllm"), \
-                    ServerProcess(dwdp_args, dport, startup_timeout_s=STARTUP_S,
+                    ServerProcess(dwdp_args, dport, env=env, startup_timeout_s=STARTUP_S,
                                   log_path=str(work / f"dwdp_{repeat}.log")):
                 # The same connector-loaded vLLM asked directly, without kv_transfer_params: what the connector
                 # machinery costs vLLM, apart from dwdp's prefill and hop.

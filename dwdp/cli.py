@@ -187,16 +187,30 @@ def _add_front_arguments(serve) -> None:
     serve.add_argument("--api-key", default=None,
                        help="clients must send `Authorization: Bearer KEY` on /v1/* and /admin/* (default: "
                             "DWDP_API_KEY, else no key); /health and /metrics stay open")
+    serve.add_argument("--kv-max-pending", type=_positive_int, default=1024,
+                       help="KV artifacts that may wait for a decode engine at once; more: 429 with Retry-After "
+                            "(default 1024)")
+    serve.add_argument("--kv-max-pending-bytes", type=int, default=None,
+                       help="their bytes; more: 429 (default: half the KV directory's file system)")
+    serve.add_argument("--kv-min-free-bytes", type=int, default=None,
+                       help="free bytes the KV directory's file system keeps; less: 503 with Retry-After "
+                            "(default: 5%% of it, at most 1 GiB)")
+    serve.add_argument("--max-prompts-per-request", type=_positive_int, default=64,
+                       help="prompts one completion request may carry (default 64)")
 
 
 def _front_config(args):
     from dwdp import envs
     from dwdp.serve.front import FrontConfig
+    from dwdp.serve.kv_handoff import kv_key
 
     try:
         return FrontConfig(decode_url=args.decode_url, decode_api_key=envs.decode_api_key(),
                            decode_timeout_s=args.decode_timeout, kv_ttl_s=args.kv_ttl or None,
-                           api_key=args.api_key if args.api_key is not None else envs.api_key())
+                           api_key=args.api_key if args.api_key is not None else envs.api_key(), kv_key=kv_key(),
+                           kv_max_pending=args.kv_max_pending, kv_max_pending_bytes=args.kv_max_pending_bytes,
+                           kv_min_free_bytes=args.kv_min_free_bytes,
+                           max_prompts_per_request=args.max_prompts_per_request)
     except ValueError as exc:
         raise SystemExit(f"dwdp serve: {exc}") from None
 

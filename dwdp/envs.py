@@ -25,6 +25,10 @@ ENV_VARS = {
                     "on /v1/* (and /admin/*); /health and /metrics stay open",
     "DWDP_DECODE_API_KEY": "the key `dwdp serve --decode-url URL` sends to the decode server (a vLLM started with "
                            "--api-key)",
+    "DWDP_KV_KEY": "the KV hand-off's secret (at least 16 bytes), set alike for `dwdp serve` and the vLLM that loads "
+                   "its KV: dwdp signs each artifact's descriptor with it and the connector loads only what it "
+                   "authenticates",
+    "DWDP_KV_KEY_FILE": "a file holding that secret (mode 600), read instead of DWDP_KV_KEY when set",
 }
 
 
@@ -90,6 +94,14 @@ def api_key() -> str | None:
 
 def decode_api_key() -> str | None:
     return os.environ.get("DWDP_DECODE_API_KEY") or None
+
+
+def kv_key() -> str | None:
+    return os.environ.get("DWDP_KV_KEY") or None
+
+
+def kv_key_file() -> str | None:
+    return os.environ.get("DWDP_KV_KEY_FILE") or None
 
 
 def forkserver_preload() -> list[str] | None:

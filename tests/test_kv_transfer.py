@@ -1,26 +1,41 @@
 """The decode side's checks of a dwdp KV artifact (dwdp.integrations.kv_transfer), without vLLM: an
 artifact is loaded only when it is of this prompt, this model, layer count, head shape and dtype, and
-whole; every other case names its reason (vLLM then recomputes the prompt: tests/vllm/check_pair.py)."""
+whole; every other case names its reason (vLLM then recomputes the prompt: tests/vllm/check_pair.py).
+Hostile descriptors, files and races: tests/test_kv_hostile.py."""
 from __future__ import annotations
 
 import os
+import struct
+import hashlib
+import uuid
 
 import pytest
 import torch
 
-from dwdp.integrations.kv_transfer import EngineKV, FileTransfer, Refused, check_header, pick_artifact
-from dwdp.serve.kv import artifact_metadata, prompt_digest, read_kv_header, write_kv_artifact
+from dwdp.integrations.kv_transfer import EngineKV, FileTransfer, Refused
+from dwdp.serve.kv import artifact_metadata, prompt_digest, read_kv_artifact, write_kv_artifact
+from dwdp.serve.kv_handoff import handoff_descriptor
 
 ENGINE = EngineKV(model="tiny-moe", num_layers=2, num_kv_heads=2, key_dim=32, value_dim=32, dtype="float32")
 PROMPT = [5, 17, 9, 300, 42, 7, 8]
 
 
-def artifact(tmp_path, ids=PROMPT, name="tiny-moe", layers=2, heads=2, dim=32, dtype=torch.float32,
-             request_id="pf-1") -> dict:
-    gen = torch.Generator().manual_seed(len(ids))
+@pytest.fixture
+def kv_dir(tmp_path):
+    path = tmp_path / "kv"
+    path.mkdir(mode=0o700)
+    return path
+
+
+def artifact(kv_dir, ids=PROMPT, name="tiny-moe", layers=2, heads=2, dim=32, dtype=torch.float32,
+             key: bytes | None = None) -> dict:
+    """An honest artifact of `ids` in `kv_dir` and its hand-off descriptor (signed with `key` if given)."""
+    gen = torch.Generator().manual_seed(len(ids) + layers + heads + dim)
     kv = [(torch.randn(1, heads, len(ids), dim, generator=gen).to(dtype),
            torch.randn(1, heads, len(ids), dim, generator=gen).to(dtype)) for _ in range(layers)]
-    return write_kv_artifact(tmp_path, request_id, kv, artifact_metadata(0, name, 11, (len(ids),), "packed", ids))
+    request_id = f"pf-{uuid.uuid4().hex}"
+    desc = write_kv_artifact(kv_dir, request_id, kv, artifact_metadata(0, name, 11, (len(ids),), "packed", ids))
+    return handoff_descriptor(request_id, desc, name, key)
 
 
 def params(*descriptors) -> dict:
@@ -28,63 +43,72 @@ def params(*descriptors) -> dict:
 
 
 @pytest.mark.timeout(10)
-def test_a_fitting_artifact_is_named_by_its_prompt_and_read_layer_by_layer(tmp_path):
-    desc = artifact(tmp_path)
+def test_a_fitting_artifact_is_named_by_its_prompt_and_read_layer_by_layer(kv_dir):
+    desc = artifact(kv_dir)
     assert desc["prompt_sha256"] == prompt_digest(PROMPT) == prompt_digest(torch.tensor(PROMPT))
-    transfer = FileTransfer()
+    transfer = FileTransfer(str(kv_dir))
     ref = transfer.check(params(desc), PROMPT + [11], ENGINE)  # the prompt and dwdp's first token
-    assert (ref.path, ref.num_tokens) == (desc["path"], len(PROMPT))
+    assert (ref.name, ref.num_tokens) == (desc["name"], len(PROMPT))
+    written, _ = read_kv_artifact(desc["path"])
     reader = transfer.open(ref)
-    keys, values = reader.layer(1)
-    assert keys.shape == values.shape == (1, 2, len(PROMPT), 32)
+    for layer, (keys, values) in enumerate(written):
+        got_keys, got_values = reader.layer(layer)
+        assert torch.equal(got_keys, keys) and torch.equal(got_values, values), layer  # bit-exact, read with pread
     reader.close()
-    transfer.release(ref)
-    assert not os.path.exists(desc["path"])
-    transfer.release(ref)  # gone already: fine
+    assert transfer.release(ref) and not os.path.exists(desc["path"])
+    assert not transfer.release(ref)  # gone already: fine
 
 
 @pytest.mark.timeout(10)
-def test_the_artifact_of_this_prompt_is_picked_among_several(tmp_path):
-    other = artifact(tmp_path, ids=[9, 9, 9], request_id="pf-0")
-    mine = artifact(tmp_path)
-    assert pick_artifact([other, mine], PROMPT).path == mine["path"]
-
-
-@pytest.mark.timeout(10)
-def test_a_request_without_dwdp_artifacts_is_not_ours():
-    transfer = FileTransfer()
-    for p in (None, {}, {"do_remote_prefill": True}, {"kv_artifacts": []}, {"kv_artifacts": "x"}):
+def test_a_request_without_dwdp_artifacts_is_not_ours(kv_dir):
+    transfer = FileTransfer(str(kv_dir))
+    for p in (None, {}, {"do_remote_prefill": True}, {"kv_artifacts": []}, [1, 2], "kv_artifacts"):
         assert transfer.check(p, PROMPT, ENGINE) is None, p
 
 
-def _cases(tmp_path):
+@pytest.mark.timeout(10)
+def test_the_prompt_digest_is_fixed_width_ids_and_pinned():
+    """Ids joined without a separator would collide ([1, 23, 4] and [12, 3, 4] both "1234"); fixed-width
+    ids never do. The encoding is pinned: a tag, the count (8 bytes) and each id (4 bytes), little-endian."""
+    assert prompt_digest([1, 23, 4]) != prompt_digest([12, 3, 4])
+    assert prompt_digest([1, 23, 4]) != prompt_digest([1, 23, 4, 0])
+    assert prompt_digest([]) != prompt_digest([0])
+    want = hashlib.sha256(b"dwdp-prompt-ids-u32le-v1" + struct.pack("<Q", 3) + struct.pack("<3I", 1, 23, 4)).hexdigest()
+    assert prompt_digest([1, 23, 4]) == want
+    with pytest.raises(ValueError, match="token id -1 is outside"):
+        prompt_digest([5, -1])
+
+
+def _cases(kv_dir):
     """name -> (descriptor, prompt asked, engine, the reason's words)"""
-    desc = artifact(tmp_path)
-    other = artifact(tmp_path, ids=[1, 2, 3, 4, 5, 6, 7], request_id="pf-2")
-    swapped = dict(desc, path=other["path"])  # this prompt's descriptor, another prompt's file
-    cut = artifact(tmp_path, request_id="pf-3")
+    desc = artifact(kv_dir)
+    other = artifact(kv_dir, ids=[1, 2, 3, 4, 5, 6, 7])
+    swapped = artifact(kv_dir)
+    os.replace(other["path"], swapped["path"])  # this prompt's descriptor, another prompt's file under its name
+    cut = artifact(kv_dir)
     with open(cut["path"], "r+b") as f:
         f.truncate(f.seek(0, 2) - 8)
-    gone = artifact(tmp_path, request_id="pf-4")
+    gone = artifact(kv_dir)
     os.remove(gone["path"])
-    no_digest = write_kv_artifact(tmp_path, "pf-5", [(torch.zeros(1, 2, 7, 32), torch.zeros(1, 2, 7, 32))
-                                                     for _ in range(2)],
-                                  artifact_metadata(0, "tiny-moe", 11, (7,), "packed"))
+    request_id = f"pf-{uuid.uuid4().hex}"
+    no_digest = handoff_descriptor(request_id, write_kv_artifact(
+        kv_dir, request_id, [(torch.randn(1, 2, 7, 32), torch.randn(1, 2, 7, 32)) for _ in range(2)],
+        artifact_metadata(0, "tiny-moe", 11, (7,), "packed")), "tiny-moe", None)
     return {
         "another_prompt": (desc, list(reversed(PROMPT)), ENGINE, "do not start with the prompt of"),
-        "longer_than_the_prompt": (desc, PROMPT[:-1], ENGINE, "do not start with the prompt of"),
+        "longer_than_the_prompt": (desc, PROMPT[:-1], ENGINE, r"num_tokens=7: expected an int in \[1, 6\]"),
         "another_prompts_file": (swapped, PROMPT, ENGINE, "KV of another prompt"),
         "truncated": (cut, PROMPT, ENGINE, "is truncated"),
         "missing": (gone, PROMPT, ENGINE, "is missing"),
         "another_model": (desc, PROMPT, EngineKV(**{**ENGINE.__dict__, "model": "other"}), "made by model 'tiny-moe'"),
-        "layer_count": (artifact(tmp_path, layers=3, request_id="pf-6"), PROMPT, ENGINE, "has 3 layers"),
-        "heads": (artifact(tmp_path, heads=4, request_id="pf-7"), PROMPT, ENGINE, "is [1, 4, 7, 32]"),
-        "head_dim": (artifact(tmp_path, dim=64, request_id="pf-8"), PROMPT, ENGINE, "is [1, 2, 7, 64]"),
-        "dtype": (artifact(tmp_path, dtype=torch.bfloat16, request_id="pf-9"), PROMPT, ENGINE, "dtype bfloat16"),
+        "layer_count": (artifact(kv_dir, layers=3), PROMPT, ENGINE, "has 3 layers"),
+        "heads": (artifact(kv_dir, heads=4), PROMPT, ENGINE, r"is \[1, 4, 7, 32\]"),
+        "head_dim": (artifact(kv_dir, dim=64), PROMPT, ENGINE, r"is \[1, 2, 7, 64\]"),
+        "dtype": (artifact(kv_dir, dtype=torch.bfloat16), PROMPT, ENGINE, "dtype bfloat16"),
         "no_digest_recorded": (dict(no_digest, prompt_sha256=prompt_digest(PROMPT)), PROMPT, ENGINE,
                                "KV of another prompt"),
-        "descriptor_without_digest": ({"path": desc["path"], "num_tokens": 7}, PROMPT, ENGINE,
-                                      "without path, num_tokens and prompt_sha256"),
+        "descriptor_without_digest": ({"name": desc["name"], "num_tokens": 7}, PROMPT, ENGINE,
+                                      "prompt_sha256=None is not 64 lowercase hex digits"),
     }
 
 
@@ -94,19 +118,20 @@ CASES = ["another_prompt", "longer_than_the_prompt", "another_prompts_file", "tr
 
 @pytest.mark.timeout(10)
 @pytest.mark.parametrize("case", CASES)
-def test_an_artifact_that_does_not_fit_is_refused_naming_why(tmp_path, case):
-    desc, prompt, engine, says = _cases(tmp_path)[case]
-    with pytest.raises(Refused, match=says.replace("[", r"\[").replace("]", r"\]")):
-        FileTransfer().check(params(desc), prompt, engine)
+def test_an_artifact_that_does_not_fit_is_refused_naming_why(kv_dir, case):
+    desc, prompt, engine, says = _cases(kv_dir)[case]
+    with pytest.raises(Refused, match=says):
+        FileTransfer(str(kv_dir)).check(params(desc), prompt, engine)
 
 
 @pytest.mark.timeout(10)
-def test_a_header_promises_the_file_size(tmp_path):
-    desc = artifact(tmp_path)
-    meta, tensors, size = read_kv_header(desc["path"])
-    assert size == os.path.getsize(desc["path"]) and meta["prompt_sha256"] == desc["prompt_sha256"]
-    assert tensors["layers.0.keys"]["shape"] == [1, 2, 7, 32]
-    check_header(pick_artifact([desc], PROMPT), ENGINE)
+def test_an_artifacts_file_is_mode_0600_whatever_the_umask(kv_dir):
+    old = os.umask(0o000)
+    try:
+        desc = artifact(kv_dir)
+    finally:
+        os.umask(old)
+    assert oct(os.stat(desc["path"]).st_mode & 0o777) == oct(0o600)
 
 
 # -- MLA: the latent, as vLLM and SGLang cache it --------------------------------------------------
@@ -129,25 +154,24 @@ def mla_cache():
         latent_layout(model.config)
 
 
-def mla_artifact(tmp_path, mla_cache, request_id="pf-mla") -> tuple[dict, list]:
+def mla_artifact(kv_dir, mla_cache) -> tuple[dict, list]:
     layers, latent = mla_cache
     meta = artifact_metadata(0, "tiny-mla", 11, (len(PROMPT),), "packed", PROMPT, latent)
-    return write_kv_artifact(tmp_path, request_id, layers, meta), layers
+    request_id = f"pf-{uuid.uuid4().hex}"
+    return handoff_descriptor(request_id, write_kv_artifact(kv_dir, request_id, layers, meta), "tiny-mla", None), layers
 
 
 @pytest.mark.timeout(60)
-def test_an_mla_cache_is_written_as_its_latent_and_read_back_as_transformers_holds_it(tmp_path, mla_cache):
-    from dwdp.serve.kv import read_kv_artifact
-
-    desc, layers = mla_artifact(tmp_path, mla_cache)
+def test_an_mla_cache_is_written_as_its_latent_and_read_back_as_transformers_holds_it(kv_dir, mla_cache):
+    desc, layers = mla_artifact(kv_dir, mla_cache)
     assert desc["format"] == "dwdp-kv-mla-v1", desc
     assert [(t["kind"], t["shape"]) for t in desc["tensors"][:2]] == [("latent", [1, 7, 32]), ("rope", [1, 7, 16])]
     got, meta = read_kv_artifact(desc["path"])
     assert meta["rope_layout"] == "interleaved" and meta["cache_rope"] == "halves" and meta["kv_lora_rank"] == "32"
     for (k, v), (rk, rv) in zip(got, layers):
         assert torch.equal(k, rk) and torch.equal(v, rv)
-    ref = FileTransfer().check(params(desc), PROMPT + [11], MLA_ENGINE)
-    latent, rope = FileTransfer().open(ref).layer(0)
+    ref = FileTransfer(str(kv_dir)).check(params(desc), PROMPT + [11], MLA_ENGINE)
+    latent, rope = FileTransfer(str(kv_dir)).open(ref).layer(0)
     assert latent.shape == (1, 7, 32) and rope.shape == (1, 7, 16)
 
 
@@ -172,13 +196,13 @@ def test_the_rope_dims_are_stored_as_interleaved_pairs():
 
 
 @pytest.mark.timeout(60)
-def test_formats_and_engines_must_agree_on_mla(tmp_path, mla_cache):
-    mla, _ = mla_artifact(tmp_path, mla_cache)
-    plain = artifact(tmp_path)
+def test_formats_and_engines_must_agree_on_mla(kv_dir, mla_cache):
+    mla, _ = mla_artifact(kv_dir, mla_cache)
+    plain = artifact(kv_dir)
     with pytest.raises(Refused, match="holds an MLA latent"):
-        FileTransfer().check(params(mla), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "latent_dim": None,
+        FileTransfer(str(kv_dir)).check(params(mla), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "latent_dim": None,
                                                               "rope_dim": None, "model": None}))
     with pytest.raises(Refused, match="this engine runs MLA and caches the latent"):
-        FileTransfer().check(params(plain), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "model": None}))
+        FileTransfer(str(kv_dir)).check(params(plain), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "model": None}))
     with pytest.raises(Refused, match=r"layers.0.latent is \[1, 7, 32\], this engine caches \[1, 7, 512\]"):
-        FileTransfer().check(params(mla), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "latent_dim": 512}))
+        FileTransfer(str(kv_dir)).check(params(mla), PROMPT, EngineKV(**{**MLA_ENGINE.__dict__, "latent_dim": 512}))

@@ -66,7 +66,10 @@ def server(tmp_path_factory):
             # Workers paused on purpose (test_router_passes_over_a_loaded_worker) must not count as stalled
             # while the test sends its prompts on a loaded machine: stalls are tested in test_serve_lifecycle.
             "--stall-timeout", "60"]
-    (root / "kv").mkdir()
+    (root / "kv").mkdir(mode=0o700)
+    # What a server that stopped without cleaning up left: swept at start (other files are left alone).
+    for name in LEFTOVERS + ["notes.txt"]:
+        (root / "kv" / name).write_bytes(b"kv")
     proc = ServerProcess(args, free_port(), env={"DWDP_SHM_DIR": str(root / "shm")}, log_path=str(root / "log"),
                          startup_timeout_s=SERVER_START_S)
     proc.root = root
@@ -75,6 +78,11 @@ def server(tmp_path_factory):
     assert proc.proc.returncode == 0, proc.output()
     assert proc.left_behind == [], f"processes of the server still running after it stopped: {proc.left_behind}"
     assert list((root / "shm").iterdir()) == []
+    # Every artifact still pending at stop is removed: no server would expire it later.
+    assert sorted(p.name for p in (root / "kv").iterdir()) == [".dwdp-serve.lock", "notes.txt"]
+
+
+LEFTOVERS = ["pf-" + "a" * 32 + ".safetensors", ".pf-" + "b" * 32 + ".safetensors.tmp"]
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -421,3 +429,21 @@ def test_short_load_loses_nothing_and_every_answer_names_its_worker(server, refe
     for ids, r in answered:
         assert 0 <= r["rank"] < RANKS and r["tokens"] == len(ids), r
         assert_first_token(r["first_token_id"], reference(ids)[0])
+
+
+@server_timeout(60)
+def test_the_server_is_reachable_on_loopback_only_and_keeps_its_kv_private(server):
+    """Bound to 127.0.0.1, no process of the server (router, workers, their rendezvous store and gloo's
+    sockets) listens beyond this host; the KV directory is private, each artifact 0600, and an earlier
+    server's leftovers were swept at start."""
+    from dwdp.runtime.processes import group_members
+    from sockets import is_loopback, listening
+
+    sockets = listening(group_members(server.proc.pid))
+    assert len({pid for _, _, pid in sockets}) >= 2, sockets  # the router and the store's host at least
+    assert all(is_loopback(address) for address, _, _ in sockets), sockets
+    kv = server.root / "kv"
+    assert os.stat(kv).st_mode & 0o777 == 0o700 and not any((kv / name).exists() for name in LEFTOVERS)
+    assert "removed 2 KV artifacts an earlier server left" in server.output()
+    r = httpx.post(f"{server.url}/v1/prefill", json={"input_ids": prompt(77, 9)}, timeout=60).json()
+    assert os.stat(r["kv"]["path"]).st_mode & 0o777 == 0o600, r["kv"]

@@ -4,7 +4,10 @@ behind --decode-url, API keys, and the KV ledger. The same paths against a real 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import time
+import uuid
 
 import httpx
 import pytest
@@ -25,6 +28,7 @@ class _Pool:
         self.model_info = {"vocab_size": 512, "max_position_embeddings": 4096, "forwards": "packed",
                            "padded_reason": ""}
         self.kv_dir, self.first, self.count = kv_dir, first, 0
+        self.fail: Exception | None = None  # raised by submit (after the artifact is written)
 
     def snapshot(self) -> dict:
         return {"status": "ok", "mode": "dwdp", "workers": [], "in_flight": 0, "retried": 0, "failed": 0,
@@ -32,12 +36,15 @@ class _Pool:
 
     async def submit(self, ids):
         self.count += 1
-        path = self.kv_dir / f"pf-{self.count}.safetensors"
-        path.write_bytes(b"kv")
-        return PrefillResult(request_id=f"pf-{self.count}", rank=0, first_token_id=self.first, prompt_tokens=len(ids),
+        request_id = f"pf-{uuid.uuid4().hex}"
+        path = self.kv_dir / f"{request_id}.safetensors"
+        path.write_bytes(b"kv" * 8 * len(ids))
+        if self.fail is not None:
+            raise self.fail
+        return PrefillResult(request_id=request_id, rank=0, first_token_id=self.first, prompt_tokens=len(ids),
                              queue_s=0.0, prefill_s=0.0, kv_write_s=0.0, batch_size=1, batch_tokens=len(ids),
                              prefetch_wait_s=0.0, kv={"path": str(path), "num_tokens": len(ids),
-                                                      "prompt_sha256": prompt_digest(ids)})
+                                                      "prompt_sha256": prompt_digest(ids), "bytes": 16 * len(ids)})
 
 
 class _Decoder:
@@ -70,18 +77,23 @@ class _Decoder:
         return httpx.Response(200, content=text.encode(), headers={"content-type": "text/event-stream"})
 
 
-def _client(tmp_path, decoder: _Decoder | None = None, api_key: str | None = None, first: int = 7):
+def _client(tmp_path, decoder: _Decoder | None = None, api_key: str | None = None, first: int = 7, tokenizer=None,
+            **front_fields):
     from fastapi.testclient import TestClient
 
     from dwdp.serve.api import create_app
     from dwdp.serve.config import ServeConfig
     from dwdp.serve.front import FrontConfig
 
-    front = FrontConfig(decode_url="http://decoder:8100" if decoder else None, api_key=api_key)
+    budget, statvfs = front_fields.pop("budget", None), front_fields.pop("statvfs", None)
+    front = FrontConfig(decode_url="http://decoder:8100" if decoder else None, api_key=api_key, **front_fields)
     pool = _Pool(tmp_path, first)
-    app = create_app(pool, ServeConfig(), None, front, eos_ids=frozenset({EOS}),
-                     decode_transport=httpx.MockTransport(decoder) if decoder else None)
-    return TestClient(app)
+    app = create_app(pool, ServeConfig(), tokenizer, front, eos_ids=frozenset({EOS}),
+                     decode_transport=httpx.MockTransport(decoder) if decoder else None, budget=budget,
+                     statvfs=statvfs)
+    client = TestClient(app, raise_server_exceptions=False)
+    client.pool = pool
+    return client
 
 
 def _sse(text: str) -> list:
@@ -303,3 +315,196 @@ def test_the_ledger_sweeps_in_its_own_thread(tmp_path):
         assert not path.exists() and ledger.counts()["expired"] == 1, ledger.counts()
     finally:
         ledger.close()
+
+
+@pytest.mark.timeout(10)
+def test_the_router_drops_what_no_decode_read_and_counts_what_the_decode_side_removed_as_loaded(tmp_path):
+    ledger = KVLedger(ttl_s=None)
+    loaded, unread = tmp_path / "pf-a.safetensors", tmp_path / "pf-b.safetensors"
+    for p in (loaded, unread):
+        p.write_bytes(b"kv")
+        ledger.written(str(p), 2, 1)
+    loaded.unlink()  # the connector removed it once its KV was in the engine
+    ledger.drop(str(loaded))
+    ledger.drop(str(unread))
+    assert ledger.counts() == {"written": 2, "loaded": 1, "expired": 0, "dropped": 1} and not unread.exists()
+    ledger.drop(str(unread))  # twice: counted once
+    assert ledger.counts()["dropped"] == 1 and ledger.pending() == 0 and ledger.pending_bytes() == 0
+
+
+@pytest.mark.timeout(10)
+def test_pending_artifacts_are_removed_at_stop(tmp_path):
+    ledger = KVLedger(ttl_s=600.0).start()
+    paths = [tmp_path / f"pf-{i}.safetensors" for i in range(3)]
+    for p in paths:
+        p.write_bytes(b"kv")
+        ledger.written(str(p), 2, 1)
+    paths[0].unlink()
+    ledger.close(remove_pending=True)
+    assert list(tmp_path.iterdir()) == [] and ledger.counts()["expired"] == 2, ledger.counts()
+
+
+# -- the hand-off descriptor ----------------------------------------------------------------------
+@pytest.mark.timeout(30)
+def test_descriptors_name_the_artifact_and_carry_dwdps_authenticator(tmp_path):
+    from dwdp.serve.kv_handoff import ARTIFACT_NAME, authenticator
+
+    key = b"s" * 32
+    decoder = _Decoder()
+    client = _client(tmp_path, kv_key=key)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 1})
+    desc = r.json()["kv_transfer_params"]["kv_artifacts"][0]
+    assert ARTIFACT_NAME.fullmatch(desc["name"]) and desc["path"].endswith("/" + desc["name"]), desc
+    assert desc["auth"] == authenticator(key, desc["name"], prompt_digest([5, 6, 7]), MODEL, 3), desc
+    client = _client(tmp_path, decoder, kv_key=key)
+    client.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3})
+    sent = decoder.bodies[0]["kv_transfer_params"]["kv_artifacts"][0]
+    assert sent["auth"] == authenticator(key, sent["name"], prompt_digest([5, 6, 7]), MODEL, 3), sent
+    unsigned = _client(tmp_path).post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1})
+    assert "auth" not in unsigned.json()["kv_transfer_params"]["kv_artifacts"][0]
+
+
+@pytest.mark.timeout(10)
+def test_the_kv_key_comes_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
+    from dwdp.serve.kv_handoff import KVKeyError, kv_key
+
+    monkeypatch.delenv("DWDP_KV_KEY", raising=False)
+    monkeypatch.delenv("DWDP_KV_KEY_FILE", raising=False)
+    assert kv_key() is None
+    monkeypatch.setenv("DWDP_KV_KEY", "x" * 32)
+    assert kv_key() == b"x" * 32
+    monkeypatch.setenv("DWDP_KV_KEY", "short")
+    with pytest.raises(KVKeyError, match="DWDP_KV_KEY holds a key of 5 bytes; give at least 16"):
+        kv_key()
+    path = tmp_path / "kv.key"
+    path.write_text("f" * 64 + "\n")
+    os.chmod(path, 0o644)
+    monkeypatch.setenv("DWDP_KV_KEY_FILE", str(path))
+    with pytest.raises(KVKeyError, match="has mode 644: a key file must be a regular file only its owner can read"):
+        kv_key()
+    os.chmod(path, 0o600)
+    assert kv_key() == b"f" * 64
+
+
+# -- API keys: the environment's, exact open paths, any case of "Bearer" --------------------------
+@pytest.mark.timeout(30)
+def test_dwdp_api_key_in_the_environment_protects_the_server(tmp_path, monkeypatch):
+    from dwdp.cli import _front_config, build_parser
+
+    monkeypatch.setenv("DWDP_API_KEY", "from-env")
+    front = _front_config(build_parser().parse_args(["serve"]))
+    assert front.api_key == "from-env"
+    client = _client(tmp_path, api_key=front.api_key)
+    body = {"model": MODEL, "prompt": [5], "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).status_code == 401
+    assert client.post("/v1/completions", json=body, headers={"Authorization": "Bearer from-env"}).status_code == 200
+    monkeypatch.setenv("DWDP_API_KEY", "")
+    assert _front_config(build_parser().parse_args(["serve"])).api_key is None
+
+
+@pytest.mark.timeout(30)
+def test_only_the_exact_open_paths_skip_the_key_and_bearer_is_matched_in_any_case(tmp_path):
+    client = _client(tmp_path, api_key="sekret")
+    for path in ("/healthz", "/health/x", "/metricsx", "/metrics/", "/health/../v1/models", "/HEALTH"):
+        r = client.get(path)
+        assert r.status_code == 401, (path, r.status_code, r.text)
+    body = {"model": MODEL, "prompt": [5], "max_tokens": 1}
+    for header in ("Bearer sekret", "bearer sekret", "BEARER sekret", "  Bearer   sekret "):
+        assert client.post("/v1/completions", json=body, headers={"Authorization": header}).status_code == 200, header
+    for header in ("Basic sekret", "Bearersekret", "Bearer sekret2", "sekret"):
+        assert client.post("/v1/completions", json=body, headers={"Authorization": header}).status_code == 401, header
+
+
+# -- bad text, internal errors ----------------------------------------------------------------------
+class _Tokenizer:
+    """Encodes words "w<i>" as i; raises on anything else, as a tokenizer library may."""
+
+    def encode(self, text, add_special_tokens=True):
+        if "boom" in text:
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...] at /opt/secret/path")
+        return [int(w[1:]) for w in text.split()]
+
+    def decode(self, ids, **kwargs):
+        return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.mark.timeout(30)
+def test_text_the_tokenizer_cannot_encode_is_a_400_without_internals(tmp_path):
+    client = _client(tmp_path, tokenizer=_Tokenizer())
+    lone = b'{"model": "%s", "prompt": "w5 \\ud800 w6", "max_tokens": 1}' % MODEL.encode()  # JSON's escape
+    r = client.post("/v1/completions", content=lone, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "lone surrogate at character 3" in r.json()["error"]["message"], r.text
+    r = client.post("/v1/prefill", json={"prompt": "w5 boom"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "secret" not in r.text and "TextEncodeInput" not in r.text, r.text
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": "w5 w6", "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.timeout(30)
+def test_a_500_names_an_error_id_and_leaves_the_exception_to_the_log(tmp_path, caplog):
+    client = _client(tmp_path)
+    client.pool.fail = RuntimeError("worker detail at /opt/secret/path")
+    with caplog.at_level(logging.ERROR, logger="dwdp.serve"):
+        r = client.post("/v1/prefill", json={"input_ids": [5, 6]})
+    assert r.status_code == 500, r.text
+    message = r.json()["error"]["message"]
+    assert "secret" not in r.text and "RuntimeError" not in r.text and message.startswith("internal error "), r.text
+    error_id = message.split()[2].rstrip(":")
+    assert any(error_id in rec.getMessage() and rec.exc_info for rec in caplog.records), caplog.records
+
+
+# -- the KV budget ----------------------------------------------------------------------------------
+class _FileSystem:
+    """A statvfs stand-in: `free` bytes available in blocks of 4096."""
+
+    def __init__(self, free: int):
+        self.free = free
+
+    def __call__(self, path):
+        return os.statvfs_result((4096, 4096, 1 << 30, 0, self.free // 4096, 0, 0, 0, 0, 255))
+
+
+@pytest.mark.timeout(30)
+def test_the_kv_budget_answers_429_with_retry_after_and_recovers_once_artifacts_are_gone(tmp_path):
+    from dwdp.serve.kv_budget import KVBudget
+
+    client = _client(tmp_path, budget=KVBudget(max_pending=3))
+    body = {"model": MODEL, "prompt": [[5, 6], [7, 8]], "max_tokens": 1}
+    assert client.post("/v1/completions", json=body).status_code == 200       # 2 pending
+    r = client.post("/v1/completions", json=body)                             # 2 more: over 3
+    assert r.status_code == 429 and r.headers["retry-after"] == "1", r.text
+    assert r.json()["error"]["type"] == "kv_budget_exceeded" and "--kv-max-pending" in r.text, r.text
+    assert client.pool.count == 2, "a refused request reached a worker"
+    assert client.post("/v1/prefill", json={"input_ids": [9]}).status_code == 200  # 3 pending
+    assert client.post("/v1/prefill", json={"input_ids": [9]}).status_code == 429
+    for artifact in tmp_path.glob("pf-*.safetensors"):
+        artifact.unlink()  # the decode side loaded them
+    client.get("/metrics")  # the ledger sweeps at each scrape here
+    assert client.post("/v1/completions", json=body).status_code == 200
+
+
+@pytest.mark.timeout(30)
+def test_pending_bytes_and_free_space_are_kept(tmp_path):
+    from dwdp.serve.kv_budget import KVBudget
+
+    disk = _FileSystem(free=1 << 20)
+    client = _client(tmp_path, budget=KVBudget(max_pending=100, max_pending_bytes=1000, min_free_bytes=4096),
+                     statvfs=disk)
+    assert client.post("/v1/prefill", json={"input_ids": [5] * 40}).status_code == 200  # 640 bytes: 16 a token
+    r = client.post("/v1/prefill", json={"input_ids": [5] * 40})                      # 640 more: over 1000
+    assert r.status_code == 429 and "--kv-max-pending-bytes" in r.text, r.text
+    disk.free = 4096 + 100
+    r = client.post("/v1/prefill", json={"input_ids": [5] * 10})                      # 160 of 100 spare
+    assert r.status_code == 503 and r.json()["error"]["type"] == "kv_disk_full", r.text
+    assert r.headers["retry-after"] == "1"
+    disk.free = 1 << 20
+    assert client.post("/v1/prefill", json={"input_ids": [5] * 10}).status_code == 200
+
+
+@pytest.mark.timeout(30)
+def test_a_request_with_more_prompts_than_allowed_is_refused_before_any_prefill(tmp_path):
+    client = _client(tmp_path, max_prompts_per_request=4)
+    r = client.post("/v1/completions", json={"model": MODEL, "prompt": [[5]] * 5, "max_tokens": 1})
+    assert r.status_code == 400 and "prompt holds 5 prompts; this server takes at most 4" in r.text, r.text
+    assert client.pool.count == 0
+    assert client.post("/v1/completions", json={"model": MODEL, "prompt": [[5]] * 4, "max_tokens": 1}).status_code == 200

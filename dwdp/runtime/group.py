@@ -128,17 +128,52 @@ def init_group(group_size: int | None = None, backend: str | None = None, timeou
 
 
 def free_port() -> int:
+    """A port free now on 127.0.0.1 (another process may take it before it is bound again: for servers a
+    test starts, not for a world's store, which LoopbackStore binds before it is named)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _child(fn, rank: int, world: int, port: int, args: tuple, results, env: dict) -> None:
+LOOPBACK_INTERFACE = "lo"
+
+
+class LoopbackStore:
+    """The rendezvous store of a world whose ranks all run on this host, hosted by the process that starts
+    them: its listening socket is bound to 127.0.0.1 before its port is known (no port picked, then raced
+    for), so nothing beyond this host reaches it, unlike a rank 0's store, which listens on every
+    interface. The ranks join it as clients: `env()` for their environment (env:// with torch's
+    agent-store switch), then init_process_group as usual. close() when the ranks are done with it."""
+
+    def __init__(self, timeout_s: float = 300.0):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind(("127.0.0.1", 0))
+            sock.listen(1024)
+            self.port = sock.getsockname()[1]
+            self.store = dist.TCPStore("127.0.0.1", self.port, None, True, datetime.timedelta(seconds=timeout_s),
+                                       wait_for_workers=False, master_listen_fd=sock.fileno())
+        except BaseException:
+            sock.close()
+            raise
+        sock.detach()  # the store's server owns the listening descriptor now
+
+    def env(self) -> dict[str, str]:
+        """What a rank's environment needs to join this store (with RANK and WORLD_SIZE of its own); gloo's
+        and NCCL's own sockets on the loopback interface too, unless this environment names another."""
+        out = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ and os.path.isdir(f"/sys/class/net/{LOOPBACK_INTERFACE}"):
+                out[name] = LOOPBACK_INTERFACE
+        return out
+
+    def close(self) -> None:
+        self.store = None  # the server stops with its last reference
+
+
+def _child(fn, rank: int, world: int, store_env: dict, args: tuple, results, env: dict) -> None:
     os.environ.update(env)
-    os.environ.update(
-        {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    )
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world), **store_env})
     torch.set_num_threads(1)
     try:
         value = fn(rank, *args)
@@ -170,7 +205,8 @@ class LaunchError(RuntimeError):
 
 def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, env: dict | None = None,
                  may_die: tuple[int, ...] = ()) -> list:
-    """Run `fn(rank, *args)` in `nprocs` new processes (see rank_context) forming one env:// world on loopback.
+    """Run `fn(rank, *args)` in `nprocs` new processes (see rank_context) forming one env:// world whose store
+    this process hosts on loopback (LoopbackStore).
 
     Returns the per-rank return values (picklable). Raises LaunchError naming the rank on the first
     failure, a crash without a result, or when `timeout_s` passes; every child is stopped.
@@ -183,9 +219,9 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
         raise ValueError(f"nprocs={nprocs} must be >= 1")
     ctx = rank_context()
     results = ctx.Queue()
-    port = free_port()
+    store = LoopbackStore(timeout_s)
     procs = [
-        ctx.Process(target=_child, args=(fn, r, nprocs, port, args, results, dict(env or {})), daemon=False)
+        ctx.Process(target=_child, args=(fn, r, nprocs, store.env(), args, results, dict(env or {})), daemon=False)
         for r in range(nprocs)
     ]
     values: dict[int, object] = {}
@@ -220,6 +256,7 @@ def launch_local(fn, nprocs: int, args: tuple = (), timeout_s: float = 120.0, en
             p.join(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         _stop_ranks(procs)
+        store.close()
     return [values[r] for r in range(nprocs)]
 
 

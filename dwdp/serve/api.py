@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 from fastapi import FastAPI, Request
@@ -26,13 +27,16 @@ from dwdp.serve.auth import BearerAuth
 from dwdp.serve.completions import Choice, Completion, lengths
 from dwdp.serve.config import prompt_limit
 from dwdp.serve.decode import DecodeClient, DecodeError
-from dwdp.serve.errors import ServeError
+from dwdp.serve.errors import ServeError, internal_error
 from dwdp.serve.front import FrontConfig
+from dwdp.serve.kv_budget import KVAdmission, KVBudget
+from dwdp.serve.kv_handoff import handoff_descriptor
 from dwdp.serve.kv_ledger import KVLedger
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
 from dwdp.serve.schemas import SAMPLING_NEUTRAL, CompletionRequest, FaultRequest, PrefillRequest
 
 RETRY_AFTER_S = 1
+log = logging.getLogger("dwdp.serve")
 
 
 class BodyLimit:
@@ -112,19 +116,24 @@ def _endpoints(app: FastAPI, config) -> list[str]:
 
 
 def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, ledger: KVLedger | None = None,
-               eos_ids: frozenset[int] = frozenset(), decode_transport=None) -> FastAPI:
+               eos_ids: frozenset[int] = frozenset(), decode_transport=None, budget: KVBudget | None = None,
+               statvfs=None) -> FastAPI:
     """The router app over a started WorkerPool. `pool.model_info` gives the vocabulary and the
     longest position; prompts up to `prompt_limit` are taken (longer than max_num_tokens: prefilled
     in chunks), longer ones rejected. front: the decode server, KV expiry and API key (default: none
     of them); ledger: where written artifacts are recorded (default: one swept at each /metrics
     scrape); eos_ids: the model's end tokens (a decoded choice stops at them); decode_transport: an
-    httpx transport for the decode client (tests)."""
+    httpx transport for the decode client (tests); budget: how many KV artifacts (and bytes) may wait
+    and what the KV directory keeps free (default: 1024 artifacts, no byte limit); statvfs: the file
+    system query of the KV directory (tests)."""
     front = front or FrontConfig()
     app = FastAPI(title="dwdp context server", version="0.1.0")
     if front.api_key is not None:
         app.add_middleware(BearerAuth, api_key=front.api_key)
     ledger_swept_on_scrape = ledger is None
     ledger = ledger or KVLedger(front.kv_ttl_s)
+    admission = KVAdmission(budget or KVBudget(front.kv_max_pending), ledger, str(pool.kv_dir),
+                            **({} if statvfs is None else {"statvfs": statvfs}))
     decode = DecodeClient(front, decode_transport) if front.decode_url else None
     metrics = ServeMetrics(pool, ledger)
     app.state.metrics = metrics
@@ -165,7 +174,7 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        return fail(ServeError(500, "internal_error", f"{type(exc).__name__}: {exc}"))
+        return fail(internal_error(exc, f"{request.method} {request.url.path}"))
 
     def check_ids(ids: list[int], field: str) -> list[int]:
         if not ids:
@@ -183,7 +192,18 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
         if tokenizer is None:
             raise ServeError(400, "invalid_request_error", f"{field} is text but this server has no tokenizer; "
                              "send token ids", param=field)
-        return check_ids(tokenizer.encode(text, add_special_tokens=True), field)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ServeError(400, "invalid_request_error", f"{field} is not valid Unicode text: a lone surrogate "
+                             f"at character {exc.start}", param=field) from None
+        try:
+            ids = tokenizer.encode(text, add_special_tokens=True)
+        except Exception as exc:
+            log.warning("the tokenizer could not encode %s: %s: %s", field, type(exc).__name__, exc)
+            raise ServeError(400, "invalid_request_error", f"{field} cannot be tokenized by this server's "
+                             "tokenizer", param=field) from None
+        return check_ids(ids, field)
 
     async def prefill(ids: list[int]):
         """(PrefillResult, ttft seconds) of one validated prompt."""
@@ -192,7 +212,7 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
         ttft = time.monotonic() - arrival
         metrics.observe(result, ttft)
         if result.kv.get("path"):
-            ledger.written(result.kv["path"])
+            ledger.written(result.kv["path"], result.kv.get("bytes", 0), result.kv.get("num_tokens", 0))
         return result, ttft
 
     def timing(result, ttft: float) -> dict:
@@ -211,10 +231,13 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
         else:
             raise ServeError(400, "invalid_request_error", "input_ids is missing (or give prompt text)",
                              param="input_ids")
-        result, ttft = await prefill(ids)
+        with admission.admit(1, len(ids)):
+            result, ttft = await prefill(ids)
         return {"id": result.request_id, "object": "prefill", "model": config.model_name, "rank": result.rank,
                 "first_token_id": result.first_token_id, "prompt_tokens": result.prompt_tokens,
-                "timing": timing(result, ttft), "kv": result.kv}
+                "timing": timing(result, ttft), "kv": result.kv,
+                "kv_transfer_params": {"kv_artifacts": [handoff_descriptor(result.request_id, result.kv,
+                                                                           config.model_name, front.kv_key)]}}
 
     @app.post("/v1/completions")
     async def v1_completions(body: CompletionRequest):
@@ -233,6 +256,11 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
             raise ServeError(400, "invalid_request_error", f"stop_token_ids={stops!r} must be a list of token ids",
                              param="stop_token_ids")
         prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and (
+                len(prompt) > front.max_prompts_per_request):
+            raise ServeError(400, "invalid_request_error", f"prompt holds {len(prompt)} prompts; this server takes at "
+                             f"most {front.max_prompts_per_request} per request (--max-prompts-per-request)",
+                             param="prompt")
         if isinstance(prompt, str):
             prompts = [tokenize(prompt, "prompt")]
         elif not prompt:
@@ -252,12 +280,13 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
                 raise ServeError(400, "context_length_exceeded", f"a prompt of {longest} tokens and max_tokens="
                                  f"{limits.max_tokens} exceed the decode server's max_model_len="
                                  f"{served.max_model_len}", param="max_tokens")
-        answers = await asyncio.gather(*(prefill(ids) for ids in prompts))
+        with admission.admit(len(prompts), sum(len(ids) for ids in prompts)):
+            answers = await asyncio.gather(*(prefill(ids) for ids in prompts))
         choices = [Choice(i, ids, result, timing(result, ttft)) for i, (ids, (result, ttft))
                    in enumerate(zip(prompts, answers))]
         completion = Completion(choices, limits, fields, config.model_name,
                                 f"cmpl-{answers[0][0].request_id.removeprefix('pf-')}", tokenizer, decode, eos_ids,
-                                ledger if decode is not None else None, metrics)
+                                ledger if decode is not None else None, metrics, front.kv_key)
         if body.stream:
             return StreamingResponse(completion.events(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})

@@ -1,5 +1,7 @@
 """API keys: `Authorization: Bearer <key>` on every path but /health and /metrics (the convention of
-vLLM's --api-key and SGLang's), 401 in the API's error shape otherwise."""
+vLLM's --api-key and SGLang's), 401 in the API's error shape otherwise. The scheme is matched without
+regard to case (RFC 9110: `bearer`, `BEARER`); the open paths exactly (/healthz or /health/x ask for
+the key like any other path)."""
 from __future__ import annotations
 
 import hmac
@@ -9,7 +11,15 @@ from starlette.responses import JSONResponse
 
 from dwdp.serve.errors import ServeError
 
-OPEN_PATHS = ("/health", "/metrics")  # probes and scrapers reach these without a key
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # probes and scrapers reach these without a key
+
+
+def bearer_token(header: bytes) -> bytes | None:
+    """The token of an `Authorization: Bearer <token>` header value, or None for another scheme."""
+    scheme, _, token = header.strip().partition(b" ")
+    if scheme.lower() != b"bearer":
+        return None
+    return token.strip()
 
 
 class BearerAuth:
@@ -17,13 +27,14 @@ class BearerAuth:
 
     def __init__(self, app, api_key: str):
         self.app = app
-        self._expected = f"Bearer {api_key}".encode()
+        self._expected = api_key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"].startswith(OPEN_PATHS):
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self._expected):
+        token = bearer_token(given)
+        if token is not None and hmac.compare_digest(token, self._expected):
             return await self.app(scope, receive, send)
         why = "no Authorization header" if not given else "a wrong API key"
         error = ServeError(401, "authentication_error", f"{scope['method']} {scope['path']}: {why}; send "

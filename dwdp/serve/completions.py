@@ -16,7 +16,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from dwdp.serve.decode import PASSED_ON, DecodeClient, DecodeError, Delta
-from dwdp.serve.errors import ServeError
+from dwdp.serve.errors import ServeError, internal_error
+from dwdp.serve.kv_handoff import handoff_descriptor
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI completions API's default, when decoding
 
@@ -109,8 +110,9 @@ class Completion:
 
     def __init__(self, choices: list[Choice], limits: Lengths, fields: dict, model_name: str, request_id: str,
                  tokenizer=None, decode: DecodeClient | None = None, eos_ids: frozenset[int] = frozenset(),
-                 ledger=None, metrics=None):
+                 ledger=None, metrics=None, kv_key: bytes | None = None):
         self.choices, self.limits, self.fields = choices, limits, fields
+        self.kv_key = kv_key
         self.model_name, self.id, self.created = model_name, request_id, int(time.time())
         self.tokenizer, self.decode, self.eos_ids, self.ledger, self.metrics = (tokenizer, decode, eos_ids, ledger,
                                                                              metrics)
@@ -134,7 +136,7 @@ class Completion:
                 options = {name: self.fields[name] for name in PASSED_ON if name in self.fields}
                 if self.limits.min_tokens > 1:
                     options["min_tokens"] = self.limits.min_tokens - 1
-                kv_params = {"kv_artifacts": [{"request_id": choice.result.request_id, **choice.result.kv}]}
+                kv_params = {"kv_artifacts": [self._descriptor(choice)]}
                 async for event in self.decode.continuation(choice.prompt, first, self.limits.max_tokens - 1,
                                                             kv_params, options):
                     if isinstance(event, Delta):
@@ -201,8 +203,12 @@ class Completion:
             extra["decode"] = {"prompt_tokens_loaded": choice.prompt_tokens_loaded}
         return extra
 
+    def _descriptor(self, choice: Choice) -> dict:
+        """The hand-off descriptor of a choice's artifact (dwdp.serve.kv_handoff), signed with the KV key."""
+        return handoff_descriptor(choice.result.request_id, choice.result.kv, self.model_name, self.kv_key)
+
     def _kv_params(self) -> dict:
-        return {"kv_artifacts": [{"request_id": c.result.request_id, **c.result.kv} for c in self.choices]}
+        return {"kv_artifacts": [self._descriptor(c) for c in self.choices]}
 
     async def whole(self) -> dict:
         """The whole answer (stream=false)."""
@@ -235,15 +241,13 @@ class Completion:
                     choice.update(self._choice_extra(self.choices[piece.index]))
                 extra = {}
                 if piece.finish_reason is not None and self.decode is None:
-                    extra["kv_transfer_params"] = {"kv_artifacts": [
-                        {"request_id": self.choices[piece.index].result.request_id,
-                         **self.choices[piece.index].result.kv}]}
+                    extra["kv_transfer_params"] = {"kv_artifacts": [self._descriptor(self.choices[piece.index])]}
                 yield self._chunk([choice], **extra)
         except DecodeError as exc:
             error = ServeError(exc.status, "decode_failed", str(exc))
             yield f"data: {json.dumps(error.body())}\n\n"
         except Exception as exc:  # the status line has gone out: the error travels in the stream
-            error = ServeError(500, "internal_error", f"{type(exc).__name__}: {exc}")
+            error = internal_error(exc, f"the stream of {self.id}")
             yield f"data: {json.dumps(error.body())}\n\n"
         self._count_tokens()
         if isinstance(options, dict) and options.get("include_usage"):

@@ -286,12 +286,11 @@ def build_dep_model(config: ServeConfig, rank_hint: int = 0):
     return dep, step_group, pids
 
 
-def dep_worker_main(rank: int, world_size: int, master_port: int, config: ServeConfig, kv_dir: str,
+def dep_worker_main(rank: int, world_size: int, store_env: dict, config: ServeConfig, kv_dir: str,
                     requests, results) -> None:
     """Entry point of a spawned DEP worker process."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the router drains and stops the workers itself
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), **store_env})
     torch.set_num_threads(config.threads_per_worker)
     reporter, exit_code = None, 0
     try:

@@ -11,8 +11,8 @@ contiguous, in the model's dtype, holding positions 0 .. T-1 of the prompt
 keeps); string metadata records the format, the layout, the request, the layer count, the token
 count, the dtype, the positions, the model, the first token, how the prompt was prefilled
 (`forward`: "packed" or "padded"; `chunks`: its tokens per forward, comma-separated) and
-`prompt_sha256`, the digest of the prompt's token ids (`prompt_digest`), so a decode engine can
-refuse the KV of another prompt (dwdp.integrations.kv_transfer).
+`prompt_sha256`, the digest of the prompt's token ids (`prompt_digest`: fixed-width ids), so a decode
+engine can refuse the KV of another prompt (dwdp.integrations.kv_transfer). Files are mode 0600.
 
 `dwdp-kv-mla-v1`, for the MLA families whose transformers cache holds the compressed latent and whose
 rope order is known (`latent_layout`: DeepSeek-V3/R1 and Kimi-K2, DeepSeek-V2; transformers 5 caches
@@ -99,9 +99,20 @@ def halve_pairs(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
+PROMPT_DIGEST_TAG = b"dwdp-prompt-ids-u32le-v1"
+
+
 def prompt_digest(ids) -> str:
-    """sha256 (hex) of token ids written as decimal numbers joined by commas: "5,17,9" for [5, 17, 9]."""
-    return hashlib.sha256(",".join(str(int(t)) for t in ids).encode()).hexdigest()
+    """sha256 (hex) of a prompt's token ids in a fixed-width encoding: a tag, the count as 8 bytes and every
+    id as 4 bytes, little-endian. Fixed width keeps ids apart ([1, 23, 4] and [12, 3, 4] never share a
+    digest, as a decimal join without separators would let them); an id outside [0, 2**32) is a ValueError."""
+    values = [int(t) for t in ids]
+    try:
+        body = struct.pack(f"<Q{len(values)}I", len(values), *values)
+    except struct.error:
+        bad = next(t for t in values if not 0 <= t < 2**32)
+        raise ValueError(f"token id {bad} is outside [0, 2**32): no prompt digest") from None
+    return hashlib.sha256(PROMPT_DIGEST_TAG + body).hexdigest()
 
 
 def artifact_metadata(rank: int, model: str, first_token_id: int, chunks: tuple[int, ...], forward: str,
@@ -184,10 +195,21 @@ def write_kv_artifact(directory: str | os.PathLike, request_id: str, layers, met
     meta.update({k: str(v) for k, v in metadata.items()})
     tmp = path.with_name(f".{path.name}.tmp")
     save_file(tensors, str(tmp), metadata=meta)
+    _owner_only(tmp)
     os.replace(tmp, path)
     named = {key: meta[key] for key in ("prompt_sha256", "model") if key in meta}
     return {"path": str(path), "format": fmt, "num_layers": len(layers), "num_tokens": num_tokens,
             "dtype": dtype, "bytes": path.stat().st_size, **named, "tensors": entries}
+
+
+def _owner_only(path: Path) -> None:
+    """Mode 0600 on a file just written, whatever the writer's umask or release did (safetensors 0.8 writes
+    through a temporary file of its own, so its files come out 0600; older releases use the umask)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def read_kv_artifact(path: str | os.PathLike) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], dict]:

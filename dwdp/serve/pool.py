@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dwdp import envs
 from dwdp.runtime.board import sweep_stale_boards
-from dwdp.runtime.group import free_port
+from dwdp.runtime.group import LoopbackStore
 from dwdp.serve.config import ServeConfig, prompt_limit
 from dwdp.serve.errors import ServeError
 from dwdp.serve.restarts import RestartPolicy
@@ -124,7 +124,7 @@ class WorkerPool:
         self._restarts = (RestartPolicy(config.restart_backoff_s, config.max_restarts_per_minute)
                           if config.restarts_workers else None)
         self._is_serving = False                         # every worker was ready once: a dead one may restart
-        self._port: int | None = None
+        self._store: LoopbackStore | None = None          # the workers' rendezvous, on loopback
         self._old_queues: list = []                      # request queues of dead processes, closed at the end
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ class WorkerPool:
             line = sharing_line(self.config.ranks, require_gpu("dwdp serve"))
             if line:
                 log.info("%s", line)
-        self._port = free_port()
+        self._store = LoopbackStore(self.config.startup_timeout_s)
         for rank in range(self.config.ranks):
             requests = self._ctx.Queue()
             self._ranks.append(_Rank(rank, None, requests))
@@ -154,11 +154,11 @@ class WorkerPool:
             from dwdp.serve.dep_worker import dep_worker_main
 
             process = self._ctx.Process(target=dep_worker_main, name=f"dwdp-serve-dep-rank{rank}", daemon=False,
-                                        args=(rank, self.config.ranks, self._port, self.config, self.kv_dir,
+                                        args=(rank, self.config.ranks, self._store.env(), self.config, self.kv_dir,
                                               requests, results))
         else:
             process = self._ctx.Process(target=worker_main, name=f"dwdp-serve-dwdp-rank{rank}", daemon=False,
-                                        args=(rank, self.config.ranks, self._port, self.config, self.kv_dir,
+                                        args=(rank, self.config.ranks, self._store.env(), self.config, self.kv_dir,
                                               requests, results, rejoin))
         process.start()
         writer.close()  # the worker holds the only write end: its death reads as the pipe's end
@@ -224,6 +224,8 @@ class WorkerPool:
                     r.process.join(timeout=5.0)
         # A worker killed after its peers last looked leaves its board entry (and so the board) behind.
         sweep_stale_boards(Path(envs.shm_dir()))
+        if self._store is not None:
+            self._store.close()
         self._stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)

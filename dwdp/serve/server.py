@@ -1,7 +1,6 @@
 """`dwdp serve`: bind the port, start the workers, serve HTTP until SIGINT/SIGTERM, drain, stop."""
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -12,6 +11,8 @@ import time
 from dwdp.serve.auth import is_loopback
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.front import FrontConfig
+from dwdp.serve.kv_budget import default_budget
+from dwdp.serve.kv_dir import KVDirError, claim_kv_dir
 from dwdp.serve.kv_ledger import KVLedger
 from dwdp.serve.pool import StartupError, WorkerPool
 from dwdp.serve.preflight import PreflightError, preflight
@@ -45,11 +46,18 @@ def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
     if front.api_key is None and not is_loopback(config.host):
         print(f"dwdp serve: warning: bound to {config.host} without an API key: anyone who reaches the port can use "
               "it (give --api-key or DWDP_API_KEY)", file=sys.stderr, flush=True)
-    if config.kv_dir is not None:
-        os.makedirs(config.kv_dir, exist_ok=True)
     kv_dir = config.kv_dir or tempfile.mkdtemp(prefix="dwdp-kv-")
-    pool = WorkerPool(config, kv_dir)
+    try:
+        claim = claim_kv_dir(kv_dir)
+    except KVDirError as exc:
+        print(f"dwdp serve: {exc}", file=sys.stderr)
+        sock.close()
+        return 2
+    if claim.swept:
+        print(f"dwdp serve: removed {claim.swept} KV artifacts an earlier server left in {claim.path}", flush=True)
+    pool = WorkerPool(config, claim.path)
     ledger = KVLedger(front.kv_ttl_s).start()
+    budget = default_budget(claim.path, front.kv_max_pending, front.kv_max_pending_bytes, front.kv_min_free_bytes)
     started = time.monotonic()
     try:
         pool.start()
@@ -70,7 +78,7 @@ def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
         from dwdp.serve.decode import eos_token_ids
 
         eos = eos_token_ids(config.model, tokenizer, None if config.model else SPECIAL_TOKEN_IDS["eos_token_id"])
-        app = BodyLimit(create_app(pool, config, tokenizer, front, ledger, eos), config.max_body_bytes)
+        app = BodyLimit(create_app(pool, config, tokenizer, front, ledger, eos, budget=budget), config.max_body_bytes)
         server = uvicorn.Server(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off",
             timeout_graceful_shutdown=int(config.drain_timeout_s)))
@@ -87,7 +95,8 @@ def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
         return 0
     finally:
         pool.close()
-        ledger.close()
+        ledger.close(remove_pending=True)  # nobody expires them once this server is gone
+        claim.release()
         sock.close()
         if config.kv_dir is None:
             shutil.rmtree(kv_dir, ignore_errors=True)

@@ -343,14 +343,13 @@ def build_worker_model(config: ServeConfig, rank: int):
     return model
 
 
-def worker_main(rank: int, world_size: int, master_port: int, config: ServeConfig, kv_dir: str,
+def worker_main(rank: int, world_size: int, store_env: dict, config: ServeConfig, kv_dir: str,
                 requests, results, rejoin: bool = False) -> None:
     """Entry point of a spawned worker process. rejoin: it replaces a dead worker of the running
     group and joins through the group's board, with no collective (dwdp.runtime.rejoin)."""
     # Ctrl-C reaches the whole process group; the router drains and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), **store_env,
                        "DWDP_REJOIN": "1" if rejoin else "0"})
     torch.set_num_threads(config.threads_per_worker)
     import torch.distributed as dist

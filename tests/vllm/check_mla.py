@@ -47,7 +47,7 @@ def test_per_head_keys_and_values_are_refused_by_an_mla_engine(mla_vllm_server, 
     save_file(tensors, path, metadata=meta)
     want = vllm_alone(mla_vllm_server, ids + [r["first_token_id"]], 4)
     got = vllm_alone(mla_vllm_server, ids + [r["first_token_id"]], 4,
-                     kv_transfer_params={"kv_artifacts": [{"request_id": r["id"], **r["kv"]}]})
+                     kv_transfer_params=r["kv_transfer_params"])
     assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, got["usage"]
     name = path.rsplit("/", 1)[-1]

@@ -148,7 +148,7 @@ BAD = {
 def test_an_artifact_that_does_not_fit_is_recomputed_with_the_same_output(vllm_server, dwdp_server, kind):
     ids = prompt(21, 70)
     r = httpx.post(f"{dwdp_server.url}/v1/prefill", json={"input_ids": ids}, timeout=300).json()
-    first, descriptor = r["first_token_id"], {"request_id": r["id"], **r["kv"]}
+    first, descriptor = r["first_token_id"], r["kv_transfer_params"]["kv_artifacts"][0]
     asked = ids + [first]
     if kind == "another_prompt":  # dwdp's artifact, sent with a prompt it was not made of
         asked, says = list(reversed(ids)) + [first], "do not start with the prompt of"
@@ -160,7 +160,7 @@ def test_an_artifact_that_does_not_fit_is_recomputed_with_the_same_output(vllm_s
     got = vllm_alone(vllm_server, asked, 6, kv_transfer_params={"kv_artifacts": [descriptor]})
     assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], (got, want)
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, got["usage"]
-    name = descriptor["path"].rsplit("/", 1)[-1]
+    name = descriptor["name"]
     lines = [line for line in vllm_server.output().splitlines() if "dwdp connector" in line and name in line]
     assert len(lines) == 1 and "recomputes" in lines[0] and says in lines[0], lines
 
@@ -173,14 +173,46 @@ def test_a_fitting_artifact_sent_straight_to_vllm_is_loaded(vllm_server, dwdp_se
                                                                "max_tokens": 1}, timeout=300).json()
     # --decode-url answers max_tokens=1 itself and drops the artifact: prefill it again for vLLM.
     r = httpx.post(f"{dwdp_server.url}/v1/prefill", json={"input_ids": ids}, timeout=300).json()
-    params = {"kv_artifacts": [{"request_id": r["id"], **r["kv"]}]}
+    params = r["kv_transfer_params"]
     got = vllm_alone(vllm_server, ids + [r["first_token_id"]], 5, kv_transfer_params=params)
     want = vllm_alone(vllm_server, ids, 6)["choices"][0]["token_ids"]
     assert [r["first_token_id"]] + got["choices"][0]["token_ids"] == want
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids), got["usage"]
-    assert got["kv_transfer_params"] == {"dwdp": {"loaded_tokens": len(ids), "artifact": r["kv"]["path"]}}, got
+    name = params["kv_artifacts"][0]["name"]
+    assert got["kv_transfer_params"] == {"dwdp": {"loaded_tokens": len(ids), "artifact": name}}, got
     # vLLM's own disaggregated flow sends the prompt alone: all but its last token load.
     r = httpx.post(f"{dwdp_server.url}/v1/prefill", json={"input_ids": ids}, timeout=300).json()
-    got = vllm_alone(vllm_server, ids, 6, kv_transfer_params={"kv_artifacts": [{"request_id": r["id"], **r["kv"]}]})
+    got = vllm_alone(vllm_server, ids, 6, kv_transfer_params=r["kv_transfer_params"])
     assert got["choices"][0]["token_ids"] == want and got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(
         ids) - 1, json.dumps(got)
+
+
+@pytest.mark.timeout(600)
+def test_with_the_kv_key_a_descriptor_dwdp_did_not_sign_is_recomputed(vllm_server, dwdp_server):
+    """Both servers hold the KV key (as the docs set them up): dwdp's descriptor loads; the same descriptor
+    unsigned, signed with another key, or with its token count and digest changed by the client does not."""
+    from dwdp.serve.kv import prompt_digest
+    from dwdp.serve.kv_handoff import authenticator
+
+    ids = prompt(41, 64)
+    want = vllm_alone(vllm_server, ids, 6)
+    cases = []
+    for change, says in ((lambda d: d.pop("auth"), "no valid authenticator"),
+                         (lambda d: d.update(auth=authenticator(b"another-key-0123456789", d["name"], d["prompt_sha256"],
+                                                                "tiny-moe", d["num_tokens"])),
+                          "the authenticator does not match"),
+                         (lambda d: d.update(num_tokens=20, prompt_sha256=prompt_digest(ids[:20])),
+                          "the authenticator does not match")):
+        r = httpx.post(f"{dwdp_server.url}/v1/prefill", json={"input_ids": ids}, timeout=300).json()
+        desc = r["kv_transfer_params"]["kv_artifacts"][0]
+        change(desc)
+        got = vllm_alone(vllm_server, ids, 6, kv_transfer_params={"kv_artifacts": [desc]})
+        assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"], (says, got)
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, (says, got["usage"])
+        lines = [line for line in vllm_server.output().splitlines() if "dwdp connector" in line and desc["name"] in line]
+        assert len(lines) == 1 and says in lines[0], (says, lines)
+        cases.append(desc["name"])
+    r = httpx.post(f"{dwdp_server.url}/v1/prefill", json={"input_ids": ids}, timeout=300).json()
+    got = vllm_alone(vllm_server, ids, 6, kv_transfer_params=r["kv_transfer_params"])
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, got["usage"]
+    assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]

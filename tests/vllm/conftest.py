@@ -8,7 +8,9 @@ dwdp's `serve` extra (dwdp's own transformers release). Run it as .ci/run does:
 
     DWDP_TEST_SERVE_PYTHON=.venv/bin/python .venv-vllm/bin/python -m pytest -c tests/vllm/pytest.ini tests/vllm
 
-Nothing is imported from vLLM at the top of this file: the main suite walks this directory too.
+Nothing is imported from vLLM at the top of this file: the main suite walks this directory too. Both
+servers of a pair get the same KV key (DWDP_KV_KEY), as the docs start them; check_hostile.py's pair runs
+without one.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.integrations import VLLM_KV_TRANSFER_CONFIG
+from dwdp.integrations import vllm_kv_transfer_config
 from dwdp.serve.launch import HttpServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,6 +31,9 @@ MLA_BLOCK_SIZE = 16        # vLLM's CPU MLA backend takes only this
 MAX_MODEL_LEN = 2048
 DWDP_MAX_NUM_TOKENS = 128  # prompts longer than this are prefilled by dwdp in chunks
 VLLM_MODEL = "tiny-vllm"   # vLLM's served name; dwdp names the model after the checkpoint directory
+KV_KEY = "a3f1" * 16       # the KV hand-off's key, set alike for both servers as the docs set it
+# Faults planted in a connector's entry points (tests/vllm/faulty_connector.py): a file per method there.
+FAULTY_CONNECTOR = {"kv_connector": "FaultyDWDPConnector", "kv_connector_module_path": "faulty_connector"}
 
 
 def free_port() -> int:
@@ -68,42 +73,49 @@ def kv_dir(request, tmp_path_factory) -> Path:
     """Where a module's dwdp serve writes its artifacts: /dev/shm (memory) where there is one."""
     root = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
     name = f"dwdp-vllm-stage-{os.getpid()}-{request.module.__name__}"
-    path = Path(tmp_path_factory.mktemp("kv")) if root is None else root / name
-    path.mkdir(exist_ok=True)
+    path = Path(tmp_path_factory.mktemp("kv")) / "kv" if root is None else root / name
+    path.mkdir(mode=0o700, exist_ok=True)
     yield path
     for leftover in path.iterdir():
         leftover.unlink()
     path.rmdir()
 
 
-def start_vllm(checkpoint: Path, logs: Path, block_size: int) -> HttpServerProcess:
-    """vLLM's OpenAI server on `checkpoint`, with dwdp's connector; prefix caching off, so a prompt is
-    either computed or loaded from dwdp's KV, never found in vLLM's own cache."""
+def start_vllm(checkpoint: Path, logs: Path, block_size: int, kv_dir: Path, key: str | None = KV_KEY,
+               prefix_caching: bool = False, connector: dict | None = None) -> HttpServerProcess:
+    """vLLM's OpenAI server on `checkpoint`, with dwdp's connector reading `kv_dir` and the KV key `key`
+    (None: none). Prefix caching off unless asked for, so a prompt is either computed or loaded from
+    dwdp's KV, never found in vLLM's own cache. connector: fields that replace the connector's (a test's
+    faulty one, loaded from this directory)."""
     import json
 
+    config = {**vllm_kv_transfer_config(str(kv_dir)), **(connector or {})}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(checkpoint),
            "--served-model-name", VLLM_MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len",
-           str(MAX_MODEL_LEN), "--block-size", str(block_size), "--no-enable-prefix-caching",
-           "--enable-prompt-tokens-details", "--kv-transfer-config", json.dumps(VLLM_KV_TRANSFER_CONFIG)]
+           str(MAX_MODEL_LEN), "--block-size", str(block_size), "--enable-prompt-tokens-details",
+           "--kv-transfer-config", json.dumps(config)] + ([] if prefix_caching else ["--no-enable-prefix-caching"])
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "DWDP_KV_KEY": key or ""}
+    if connector:
+        env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     port = free_port()
-    return HttpServerProcess(cmd + ["--port", str(port)], port, env={"VLLM_CPU_KVCACHE_SPACE": "1"},
-                             startup_timeout_s=600, log_path=str(logs / "vllm.log"), name="vllm",
-                             cwd=str(ROOT)).start()
+    return HttpServerProcess(cmd + ["--port", str(port)], port, env=env, startup_timeout_s=600,
+                             log_path=str(logs / "vllm.log"), name="vllm", cwd=str(ROOT)).start()
 
 
-def start_dwdp(checkpoint: Path, vllm: HttpServerProcess, kv_dir: Path, logs: Path) -> HttpServerProcess:
-    """`dwdp serve` on the same checkpoint, two ranks, handing every completion to vLLM."""
+def start_dwdp(checkpoint: Path, vllm: HttpServerProcess, kv_dir: Path, logs: Path,
+               key: str | None = KV_KEY) -> HttpServerProcess:
+    """`dwdp serve` on the same checkpoint, two ranks, handing every completion to vLLM (KV key `key`)."""
     port = free_port()
     cmd = [serve_python(), "-m", "dwdp", "serve", "--ranks", "2", "--model", str(checkpoint), "--host", "127.0.0.1",
            "--port", str(port), "--kv-dir", str(kv_dir), "--max-num-tokens", str(DWDP_MAX_NUM_TOKENS),
            "--decode-url", vllm.url]
-    return HttpServerProcess(cmd, port, startup_timeout_s=300, log_path=str(logs / "dwdp.log"), name="dwdp serve",
-                             cwd=str(ROOT)).start()
+    return HttpServerProcess(cmd, port, env={"DWDP_KV_KEY": key or ""}, startup_timeout_s=300,
+                             log_path=str(logs / "dwdp.log"), name="dwdp serve", cwd=str(ROOT)).start()
 
 
 @pytest.fixture(scope="module")
-def vllm_server(checkpoint, tmp_path_factory):
-    server = start_vllm(checkpoint, tmp_path_factory.mktemp("logs"), BLOCK_SIZE)
+def vllm_server(checkpoint, kv_dir, tmp_path_factory):
+    server = start_vllm(checkpoint, tmp_path_factory.mktemp("logs"), BLOCK_SIZE, kv_dir)
     yield server
     server.stop()
 
@@ -116,8 +128,8 @@ def dwdp_server(checkpoint, vllm_server, kv_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def mla_vllm_server(mla_checkpoint, tmp_path_factory):
-    server = start_vllm(mla_checkpoint, tmp_path_factory.mktemp("logs"), MLA_BLOCK_SIZE)
+def mla_vllm_server(mla_checkpoint, kv_dir, tmp_path_factory):
+    server = start_vllm(mla_checkpoint, tmp_path_factory.mktemp("logs"), MLA_BLOCK_SIZE, kv_dir)
     yield server
     server.stop()
 
