@@ -171,6 +171,8 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing(server, model):
     assert list((server.root / "shm").iterdir()) == []
     leaked = unmapped(shm_entries() - server.shm_before)
     assert not leaked, f"segments left in /dev/shm by nobody alive: {leaked}"
-    assert len(list((server.root / "kv").glob("*.safetensors"))) >= len(batch), "KV artifacts must outlive the server"
+    # Pending artifacts are removed at stop: no server would expire them once this one is gone.
+    left = [p.name for p in (server.root / "kv").iterdir()]
+    assert left == [".dwdp-serve.lock"], f"left in the KV directory after the server stopped: {left}"
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{server.url}/health", timeout=2)

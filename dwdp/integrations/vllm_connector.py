@@ -38,7 +38,6 @@ release, no dwdp runtime): it runs in vLLM's environment.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,6 +47,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.logger import init_logger
 
+from dwdp.integrations.guard import answer as _answer
+from dwdp.integrations.guard import guarded_by, one_line
 from dwdp.integrations.kv_transfer import ArtifactRef, EngineKV, FileTransfer, Refused
 from dwdp.integrations.vllm_pages import head_share, rows, slot_mapping, write_kv, write_latent
 from dwdp.serve.kv_handoff import kv_key
@@ -64,13 +65,7 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree, so its lines come out formatted like vLLM's own.
 logger = init_logger("vllm.dwdp_connector")
-LINE_LIMIT = 400  # characters of one log line's reason: a client's values never flood the log
-
-
-def one_line(text: str, limit: int = LINE_LIMIT) -> str:
-    """`text` as one log line of at most `limit` characters."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+never_raises = guarded_by(logger)
 
 
 @dataclass
@@ -133,42 +128,6 @@ def unsupported_inputs(request: "Request") -> str | None:
                                         ("multimodal inputs", getattr(request, "mm_features", None)),
                                         ("a cache_salt", getattr(request, "cache_salt", None))) if present]
     return " and ".join(found) or None
-
-
-def never_raises(fallback):
-    """Wrap a method vLLM calls: any exception becomes one bounded log line and `fallback(self, *args)`'s
-    answer (recompute what it concerned); an exception raised into vLLM's scheduler or model runner
-    would end the engine."""
-
-    def wrap(method):
-        @functools.wraps(method)
-        def guarded(self, *args, **kwargs):
-            try:
-                return method(self, *args, **kwargs)
-            except Exception as exc:
-                logger.error("dwdp connector: %s raised %s; the requests it concerned are recomputed",
-                             method.__name__, one_line(f"{type(exc).__name__}: {exc}"))
-                try:
-                    return fallback(self, *args, **kwargs)
-                except Exception as again:
-                    logger.error("dwdp connector: %s's fallback raised %s", method.__name__,
-                                 one_line(f"{type(again).__name__}: {again}"))
-                    return fallback.default if hasattr(fallback, "default") else None
-
-        guarded.fallback = fallback
-        return guarded
-
-    return wrap
-
-
-def _answer(value):
-    """A fallback that only answers `value` (a fresh copy each time for sets)."""
-
-    def fallback(self, *args, **kwargs):
-        return set(value) if isinstance(value, set) else value
-
-    fallback.default = value
-    return fallback
 
 
 class DWDPConnector(KVConnectorBase_V1):

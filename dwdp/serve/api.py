@@ -132,7 +132,8 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
         app.add_middleware(BearerAuth, api_key=front.api_key)
     ledger_swept_on_scrape = ledger is None
     ledger = ledger or KVLedger(front.kv_ttl_s)
-    admission = KVAdmission(budget or KVBudget(front.kv_max_pending), ledger, str(pool.kv_dir),
+    kv_dir = getattr(pool, "kv_dir", None)
+    admission = KVAdmission(budget or KVBudget(front.kv_max_pending), ledger, None if kv_dir is None else str(kv_dir),
                             **({} if statvfs is None else {"statvfs": statvfs}))
     decode = DecodeClient(front, decode_transport) if front.decode_url else None
     metrics = ServeMetrics(pool, ledger)

@@ -54,13 +54,17 @@ def default_budget(kv_dir: str, max_pending: int = 1024, max_pending_bytes: int 
 
 class KVAdmission:
     """Admits or refuses requests against a KVBudget, the ledger's pending artifacts and the free space
-    of `kv_dir`. Thread-safe."""
+    of `kv_dir` (None: a pool without a KV directory of its own, free space not checked). Thread-safe."""
 
-    def __init__(self, budget: KVBudget, ledger: KVLedger, kv_dir: str, statvfs=os.statvfs):
+    def __init__(self, budget: KVBudget, ledger: KVLedger, kv_dir: str | None, statvfs=os.statvfs):
         self.budget, self.ledger, self.kv_dir, self._statvfs = budget, ledger, kv_dir, statvfs
         self._lock = threading.Lock()
         self._reserved_prompts = 0
         self._reserved_bytes = 0
+
+    def _free_bytes(self) -> int:
+        fs = self._statvfs(self.kv_dir)
+        return fs.f_bavail * fs.f_frsize - self._reserved_bytes
 
     @contextlib.contextmanager
     def admit(self, num_prompts: int, num_tokens: int):
@@ -79,9 +83,8 @@ class KVAdmission:
                 raise ServeError(429, "kv_budget_exceeded", f"{pending_bytes} bytes of KV artifacts are waiting and "
                                  f"these prompts need about {estimate} more; this server keeps at most {limit} "
                                  "(--kv-max-pending-bytes): retry later", retry_after=RETRY_AFTER_S)
-            fs = self._statvfs(self.kv_dir)
-            free = fs.f_bavail * fs.f_frsize - self._reserved_bytes
-            if free - estimate < self.budget.min_free_bytes:
+            free = None if self.kv_dir is None else self._free_bytes()
+            if free is not None and free - estimate < self.budget.min_free_bytes:
                 raise ServeError(503, "kv_disk_full", f"the KV directory's file system has {max(free, 0)} bytes free; "
                                  f"these prompts need about {estimate} and {self.budget.min_free_bytes} stay free "
                                  "(--kv-min-free-bytes): retry later", retry_after=RETRY_AFTER_S)
