@@ -96,7 +96,7 @@ def test_a_name_that_is_not_dwdps_is_refused_before_any_file_is_touched(kv_dir, 
     opened = []
     monkeypatch.setattr(kv_transfer.os, "open", lambda *a, **kw: opened.append(a) or pytest.fail(f"opened {a}"))
     why = refused(FileTransfer(str(kv_dir)), params(dict(desc, name=name, path=name)))
-    assert "is not dwdp's" in why and opened == [], (why, opened)
+    assert "is not dwdp's (pf-<32 hex>.safetensors; a name, never a path)" in why and opened == [], (why, opened)
 
 
 @pytest.mark.timeout(10)
@@ -353,9 +353,11 @@ _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | s
                      lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
                                                                                    max_size=4), max_leaves=12)
 _names = st.sampled_from(["../x", "/etc/passwd", "pf-" + "0" * 32 + ".safetensors", "x\x00y"]) | st.text(max_size=40)
-_descriptor = st.fixed_dictionaries({}, optional={"name": _names | _json, "num_tokens": _json | st.integers(-3, 10),
-                                                  "prompt_sha256": st.just(prompt_digest(PROMPT)) | _json,
-                                                  "auth": _json, "path": _names})
+# Mostly well-formed counts and digests, so that drawn descriptors reach the file as often as not.
+_descriptor = st.fixed_dictionaries({"num_tokens": st.just(len(PROMPT)) | st.integers(-3, 10) | _json,
+                                     "prompt_sha256": st.just(prompt_digest(PROMPT)) | st.just(prompt_digest(PROMPT))
+                                     | _json},
+                                    optional={"name": _names | _json, "auth": _json, "path": _names})
 _header = st.binary(max_size=300) | _json.map(lambda v: json.dumps(v).encode()) | st.fixed_dictionaries(
     {"__metadata__": st.dictionaries(st.sampled_from(sorted(META)), st.text(max_size=8) | st.sampled_from(
         list(META.values()))), "layers.0.keys": st.fixed_dictionaries(
@@ -389,9 +391,10 @@ _PROPERTY_DIR = _private_dir(_PROPERTY_ROOT)
 
 @pytest.mark.timeout(120)
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(descriptor=_descriptor, header=_header, use_file=st.booleans(), count=st.integers(0, 3))
+@given(descriptor=_descriptor, header=_header, use_file=st.booleans(), well_formed=st.booleans(),
+       count=st.sampled_from([1, 1, 1, 0, 2, 3]))
 def test_any_descriptor_and_header_is_refused_or_loaded_and_nothing_is_opened_outside(descriptor, header, use_file,
-                                                                                       count):
+                                                                                       well_formed, count):
     transfer = FileTransfer(str(_PROPERTY_DIR))
     if use_file:  # the descriptor names a file in the directory holding the drawn header
         name = fresh_name()
@@ -399,11 +402,30 @@ def test_any_descriptor_and_header_is_refused_or_loaded_and_nothing_is_opened_ou
         path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(64))
         os.chmod(path, 0o600)
         descriptor = dict(descriptor, name=name)
+        if well_formed:  # the descriptor passes, so the file's header is what is drawn against the checks
+            descriptor.update(num_tokens=len(PROMPT), prompt_sha256=prompt_digest(PROMPT))
     with _opens_recorded() as calls:
         try:
             transfer.check(params(*[descriptor] * count), PROMPT, ENGINE)
         except Refused:
             pass
+    assert_inside(calls, _PROPERTY_DIR)
+
+
+def assert_inside(calls, directory: Path) -> None:
+    """Every recorded (path, dir_fd): the directory itself, or a bare artifact name relative to its descriptor."""
     for path, dir_fd in calls:
-        assert dir_fd is not None or path == str(_PROPERTY_DIR), f"opened {path!r} outside the KV directory"
+        assert dir_fd is not None or path == str(directory), f"opened {path!r} outside the KV directory"
         assert dir_fd is None or (isinstance(path, str) and "/" not in path and path.startswith("pf-")), path
+
+
+@pytest.mark.timeout(10)
+def test_an_honest_load_opens_nothing_but_the_directory_and_names_in_it(kv_dir):
+    transfer = FileTransfer(str(kv_dir))
+    desc = honest(kv_dir)
+    with _opens_recorded() as calls:
+        ref = transfer.check(params(desc), PROMPT, ENGINE)
+        transfer.open(ref).close()
+        assert transfer.release(ref)
+    assert len(calls) >= 3, calls
+    assert_inside(calls, kv_dir)

@@ -125,13 +125,27 @@ def test_an_artifact_that_does_not_fit_is_refused_naming_why(kv_dir, case):
 
 
 @pytest.mark.timeout(10)
-def test_an_artifacts_file_is_mode_0600_whatever_the_umask(kv_dir):
+def test_an_artifacts_file_is_mode_0600_whatever_the_umask_and_the_safetensors_release(kv_dir, monkeypatch):
+    """safetensors 0.8 writes through a temporary file of its own (0600); older releases, and its open pull
+    request, create the file with the umask's mode: an artifact is 0600 either way."""
+    from safetensors.torch import save
+
+    import dwdp.serve.kv as kv
+
+    def save_with_the_umask(tensors, path, metadata=None):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
+        with os.fdopen(fd, "wb") as f:
+            f.write(save(tensors, metadata=metadata))
+
     old = os.umask(0o000)
     try:
-        desc = artifact(kv_dir)
+        plain = artifact(kv_dir)
+        monkeypatch.setattr(kv, "save_file", save_with_the_umask)
+        umasked = artifact(kv_dir)
     finally:
         os.umask(old)
-    assert oct(os.stat(desc["path"]).st_mode & 0o777) == oct(0o600)
+    for desc in (plain, umasked):
+        assert oct(os.stat(desc["path"]).st_mode & 0o777) == oct(0o600), desc["path"]
 
 
 # -- MLA: the latent, as vLLM and SGLang cache it --------------------------------------------------

@@ -62,19 +62,14 @@ def _check_private(path: str, st: os.stat_result) -> None:
 def claim_kv_dir(path: str) -> KVDirClaim:
     """Create or check `path` (see the module docstring), lock it and sweep leftovers; KVDirError otherwise."""
     path = os.path.abspath(path)
-    created = True
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path, 0o700)  # a umask can only take bits away
     except FileExistsError:
-        created = False
-    except FileNotFoundError:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        os.mkdir(path, 0o700)
+        pass
     _check_owner_and_kind(path, os.lstat(path))
     dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        if created:
-            os.fchmod(dir_fd, 0o700)  # whatever the umask left
         _check_private(path, os.fstat(dir_fd))  # the directory just checked, not one swapped in meanwhile
         lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         try:
