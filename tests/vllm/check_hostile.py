@@ -122,7 +122,7 @@ def descriptor(name: str, ids: list[int], **extra) -> dict:
 
 
 # -- descriptors -----------------------------------------------------------------------------------
-RAW_COUNTS = [b"1e999", b"-1", b"0", b"18446744073709551616", b"7.0", b'"40"', b"true", b"null", b"[40]"]
+RAW_COUNTS = [b"1e999", b"-1", b"0", b"9223372036854775807", b"7.0", b'"40"', b"true", b"null", b"[40]"]
 
 
 @pytest.mark.timeout(600)
