@@ -7,12 +7,19 @@ when `FakeDevice.run(policy)` runs it (or a host poll does), in an order the tes
 missing write-after-read wait. Every call is logged as (rank, name, args).
 
 One FakeDevice is shared by the ranks of a test (one process, like ranks on one GPU); each rank
-has its own FakeCudaApi, whose current stream is that rank's compute stream.
+has its own FakeCudaApi, whose current stream is that rank's compute stream (a test switches it with
+`use_stream`). As in the runtime, the current device is per host thread (0 on a thread that never set
+one); streams and events belong to the device current when they were made, an event recorded on
+another device's stream is refused, and any call but get_device makes the current device's context
+(`FakeDevice.contexts`): a transport call on a thread whose device was never set shows up as a context
+on device 0. `device_synchronize` runs every stream and blocks while a stalled one still holds work.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import itertools
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +44,7 @@ TENSOR_NBYTES = (3000, 1700)
 class _Event:
     recorded: int = 0   # generations recorded so far
     completed: int = 0  # generations whose record op has run
+    gpu: int = 0        # the device current when it was created
 
 
 @dataclass
@@ -57,6 +65,10 @@ class FakeDevice:
     sticky: CudaError | None = None
     queued_errors: dict = field(default_factory=dict)  # call name -> deque of errors to raise
     exported: dict = field(default_factory=dict)     # handle bytes -> (rank, base)
+    stream_gpu: dict = field(default_factory=dict)   # stream id -> the device it was made on
+    contexts: set = field(default_factory=set)        # devices some call made a context on
+    sync_limit_s: float = 10.0                        # a device_synchronize blocked this long fails the test
+    thread: threading.local = field(default_factory=threading.local)  # .gpu: this thread's current device
     opened: dict = field(default_factory=dict)       # base -> times opened and not closed
     closed: list = field(default_factory=list)
     _ids: itertools.count = field(default_factory=lambda: itertools.count(0x1000, 0x10))
@@ -64,11 +76,18 @@ class FakeDevice:
     def new_id(self) -> int:
         return next(self._ids)
 
-    def stream(self, kind: str) -> int:
+    def current_gpu(self) -> int:
+        return getattr(self.thread, "gpu", 0)
+
+    def stream(self, kind: str, gpu: int | None = None) -> int:
         sid = self.new_id()
         self.streams[sid] = deque()
         self.stream_kind[sid] = kind
+        self.stream_gpu[sid] = self.current_gpu() if gpu is None else gpu
         return sid
+
+    def pending(self) -> bool:
+        return any(self.streams.values())
 
     def fail_next(self, name: str, error: CudaError) -> None:
         self.queued_errors.setdefault(name, deque()).append(error)
@@ -131,12 +150,15 @@ class FakeCudaApi:
     NoCudaDriverError = cuda_api.NoCudaDriverError
     BatchCopyError = cuda_api.BatchCopyError
 
-    def __init__(self, device: FakeDevice, rank: int, has_batch: bool = True, poll_runs: bool = True):
-        self.device, self.rank, self.has_batch, self.poll_runs = device, rank, has_batch, poll_runs
-        self.compute = device.stream("compute")
+    def __init__(self, device: FakeDevice, rank: int, has_batch: bool = True, poll_runs: bool = True, gpu: int = 0):
+        self.device, self.rank, self.has_batch, self.poll_runs, self.gpu = device, rank, has_batch, poll_runs, gpu
+        self.compute = device.stream("compute", gpu)
+        self._current = threading.local()  # .stream: this thread's current stream when a test switched it
 
     def _call(self, name: str, *args):
         self.device.calls.append((self.rank, name, args))
+        if name != "require":  # cudaGetDeviceCount makes no context
+            self.device.contexts.add(self.device.current_gpu())
         if self.device.sticky is not None:
             raise self.device.sticky
         queued = self.device.queued_errors.get(name)
@@ -153,14 +175,40 @@ class FakeCudaApi:
         self._call("require")
 
     def set_device(self, device: int) -> None:
+        self.device.thread.gpu = int(device)  # since CUDA 12, setting a device makes its primary context
         self._call("set_device", device)
 
+    def get_device(self) -> int:
+        self.device.calls.append((self.rank, "get_device", ()))
+        return self.device.current_gpu()
+
     def device_synchronize(self) -> None:
+        """Blocks, as the runtime's does, until every stream is empty: a stalled one keeps it waiting."""
         self._call("device_synchronize")
-        self.device.run()
+        deadline = time.monotonic() + self.device.sync_limit_s
+        while True:
+            self.device.run()
+            if not self.device.pending():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"device_synchronize blocked {self.device.sync_limit_s} s on stalled work")
+            time.sleep(1e-3)
 
     def current_stream(self) -> int:
-        return self.compute
+        return getattr(self._current, "stream", self.compute)
+
+    @contextlib.contextmanager
+    def use_stream(self, stream: int):
+        """This thread's current stream is `stream` inside the block (torch.cuda.stream's job)."""
+        before = getattr(self._current, "stream", None)
+        self._current.stream = stream
+        try:
+            yield stream
+        finally:
+            if before is None:
+                del self._current.stream
+            else:
+                self._current.stream = before
 
     def has_memcpy_batch(self) -> bool:
         return self.has_batch
@@ -169,13 +217,17 @@ class FakeCudaApi:
         self._call("stream_create")
         return self.device.stream("copy")
 
+    def side_stream(self) -> int:
+        """A compute-side stream of this rank's device (a test's torch.cuda.Stream)."""
+        return self.device.stream("compute", self.gpu)
+
     def stream_destroy(self, stream: int) -> None:
         self._call("stream_destroy", stream)
 
     def event_create(self, interprocess: bool = False) -> int:
         self._call("event_create", interprocess)
         eid = self.device.new_id()
-        self.device.events[eid] = _Event()
+        self.device.events[eid] = _Event(gpu=self.device.current_gpu())
         return eid
 
     def event_destroy(self, event: int) -> None:
@@ -185,6 +237,9 @@ class FakeCudaApi:
     def event_record(self, event: int, stream: int) -> None:
         self._call("event_record", event, stream)
         ev = self.device.events[event]
+        if stream in self.device.stream_gpu and ev.gpu != self.device.stream_gpu[stream]:
+            raise CudaError("cudaEventRecord", 400, "cudaErrorInvalidResourceHandle",
+                            f"event of device {ev.gpu} recorded on a stream of device {self.device.stream_gpu[stream]}")
         ev.recorded += 1
         self._enqueue(stream, "record", event, ev.recorded)
 
@@ -214,10 +269,10 @@ class FakeCudaApi:
             time.sleep(1e-3)
         return time.perf_counter() - start
 
-    def launch(self, fn) -> None:
-        """A kernel on this rank's compute stream (test code stands in for Triton)."""
+    def launch(self, fn, stream: int | None = None) -> None:
+        """A kernel on this thread's current stream, or `stream` (test code stands in for Triton)."""
         self.device.calls.append((self.rank, "launch", ()))
-        self._enqueue(self.compute, "kernel", fn)
+        self._enqueue(self.current_stream() if stream is None else stream, "kernel", fn)
 
     # -- copies -------------------------------------------------------------------------------
     def memcpy_async(self, dst: int, src: int, nbytes: int, stream: int) -> None:

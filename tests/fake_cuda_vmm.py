@@ -68,8 +68,11 @@ class FakeDriver:
     """granularity: the MINIMUM granularity (RECOMMENDED is twice it, R3). supported: the handle types
     the device lists ("posix_fd", "fabric"). imex: whether the node has an IMEX channel (R2)."""
 
-    def __init__(self, granularity: int = GRANULARITY, supported=("posix_fd", "fabric"), imex: bool = True):
+    def __init__(self, granularity: int = GRANULARITY, supported=("posix_fd", "fabric"), imex: bool = True,
+                 none_granularity: int | None = None):
         self.granularity, self.supported, self.imex = granularity, set(supported), imex
+        # The MINIMUM granularity of allocations that request no handle type (the driver may answer per type).
+        self.none_granularity = granularity if none_granularity is None else none_granularity
         self.calls: list[tuple] = []          # (name, args)
         self.errors: list[str] = []           # why each refused call was refused
         self.memory: dict[int, torch.Tensor] = {}   # handle -> its bytes
@@ -87,6 +90,18 @@ class FakeDriver:
     def __getattr__(self, name):  # structs, enums and anything not faked: the real bindings'
         return getattr(real, name)
 
+    def fail_once(self, name: str, code=_INVALID) -> None:
+        """The next call of driver function `name` fails with `code` (recorded, changing nothing); later
+        calls work again."""
+        working = getattr(self, name)
+
+        def failing(*args):
+            del self.__dict__[name]  # back to the working method
+            self.calls.append((name, args))
+            return self._refuse(f"{name} failed once, on demand", code)
+
+        setattr(self, name, failing)
+
     def refuse_export(self, handle_type) -> None:
         self.refused_exports.add(int(handle_type))
 
@@ -94,8 +109,10 @@ class FakeDriver:
         self.errors.append(why)
         return (code,)
 
-    def names(self) -> list[str]:
-        return [name for name, _ in self.calls]
+    def names(self, queries: bool = False) -> list[str]:
+        """The calls made, in order; without `queries`, less cuCtxGetCurrent (a question Vmm asks before
+        each call, which changes nothing)."""
+        return [name for name, _ in self.calls if queries or name != "cuCtxGetCurrent"]
 
     def _context_error(self, name: str):
         """R1: None when a cuMem call may run on this thread, else the driver's answer."""
@@ -170,7 +187,12 @@ class FakeDriver:
         if not isinstance(option, real.CUmemAllocationGranularity_flags):
             return self._refuse(f"option {option!r} is not a CUmemAllocationGranularity_flags")
         recommended = option == real.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-        return (_OK, 2 * self.granularity if recommended else self.granularity)  # R3
+        minimum = self._minimum(prop.requestedHandleTypes)
+        return (_OK, 2 * minimum if recommended else minimum)  # R3
+
+    def _minimum(self, handle_types) -> int:
+        none = real.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        return self.none_granularity if int(handle_types) == int(none) else self.granularity
 
     def cuMemCreate(self, size, prop, flags):
         self.calls.append(("cuMemCreate", (size, prop, flags)))
@@ -182,8 +204,9 @@ class FakeDriver:
             return self._refuse("requestedHandleTypes is not a CUmemAllocationHandleType")
         if prop.type != real.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED:
             return self._refuse(f"allocation type {prop.type!r} is not PINNED")
-        if size <= 0 or size % self.granularity:
-            return self._refuse(f"cuMemCreate size {size} is not a positive multiple of {self.granularity}")
+        minimum = self._minimum(prop.requestedHandleTypes)
+        if size <= 0 or size % minimum:
+            return self._refuse(f"cuMemCreate size {size} is not a positive multiple of {minimum}")
         if int(prop.requestedHandleTypes) & int(_FABRIC) and not (self.imex and "fabric" in self.supported):
             return self._refuse("cuMemCreate with FABRIC handles on a node without an IMEX channel", _NOT_PERMITTED)
         handle = self._next_handle

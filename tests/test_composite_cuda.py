@@ -76,22 +76,33 @@ def test_r1_cumem_calls_need_cuinit_and_a_current_context():
     assert driver.cuMemCreate(GRANULARITY, _prop("posix_fd"), 0)[0] == real.CUresult.CUDA_ERROR_INVALID_CONTEXT
 
 
-def test_vmm_makes_the_primary_context_current_when_none_is_and_releases_it():
+def test_vmm_makes_the_primary_context_current_on_every_thread_and_retains_it_once():
+    import threading
+
     driver = FakeDriver()
     vmm = Vmm(0, driver)
     vmm.release(vmm.create(vmm.granularity("posix_fd"), "posix_fd"))
-    assert driver.names()[:5] == ["cuInit", "cuCtxGetCurrent", "cuDeviceGet", "cuDevicePrimaryCtxRetain",
-                                  "cuCtxSetCurrent"]
-    assert driver.retained == 1 and not driver.errors, driver.errors
+    assert driver.names(queries=True)[:5] == ["cuInit", "cuDeviceGet", "cuDevicePrimaryCtxRetain", "cuCtxGetCurrent",
+                                              "cuCtxSetCurrent"]
+    # Another thread (a health thread's failover, a finaliser) gets the context made current too, with no
+    # second retain: one reference per object, released once.
+    worker = threading.Thread(target=lambda: vmm.release(vmm.create(GRANULARITY, "posix_fd")))
+    worker.start()
+    worker.join()
+    assert driver.retained == 1 and driver.names().count("cuCtxSetCurrent") == 2 and not driver.errors, driver.errors
+    vmm.close()
+    assert driver.retained == 0
     vmm.close()
     assert driver.retained == 0
 
 
-def test_vmm_keeps_a_context_torch_made_current():
+def test_vmm_keeps_the_primary_context_torch_made_current():
     driver = _ready()
     vmm = Vmm(0, driver)
     vmm.release(vmm.create(GRANULARITY, "posix_fd"))
-    assert "cuDevicePrimaryCtxRetain" not in driver.names() and not driver.errors
+    assert "cuCtxSetCurrent" not in driver.names() and driver.retained == 1 and not driver.errors
+    vmm.close()
+    assert driver.retained == 0
 
 
 def test_r2_fabric_without_an_imex_channel_is_refused_at_create():
@@ -163,7 +174,7 @@ def test_every_allocation_is_mapped_whole_at_offset_zero_with_one_set_access_per
     for layer in range(layout.num_layers):  # each layer's set-access comes after all of its maps
         access = [i for i, n in enumerate(names) if n == "cuMemSetAccess"][layer]
         assert names[:access].count("cuMemMap") == sum(len(layout.map_runs(x)) for x in range(layer + 1))
-    mark = len(driver.calls)
+    mark = len(driver.names())
     views.close()
     for handle in segment:
         vmm.release(handle)
@@ -428,3 +439,24 @@ def test_segment_offsets_are_the_extent_allocations_back_to_back():
             assert alloc.backing == SEGMENT and alloc.offset == at and alloc.nbytes % GRANULARITY == 0
             at += alloc.nbytes
         assert at == lay.segment_nbytes
+
+
+def test_a_dlpack_capsule_has_strides_and_frees_itself_when_never_consumed():
+    import gc
+
+    from dwdp.runtime.transport import dlpack
+
+    buffer = torch.arange(64, dtype=torch.uint8)
+    before = len(dlpack._alive)
+    capsule = dlpack._Bytes(buffer.data_ptr(), 64, dlpack._KDL_CPU, 0).__dlpack__()
+    managed, _shape, strides = next(v for v in dlpack._alive.values() if v[0].dl_tensor.data == buffer.data_ptr())
+    assert managed.dl_tensor.strides and managed.dl_tensor.strides[0] == 1 and strides[0] == 1
+    assert len(dlpack._alive) == before + 1
+    del capsule, managed, strides, _shape  # never handed to torch
+    gc.collect()
+    assert len(dlpack._alive) == before, "an unconsumed capsule's structs stayed alive"
+    tensor = tensor_over(buffer.data_ptr(), 64, "cpu")  # consumed: torch's deleter frees them with the tensor
+    assert torch.equal(tensor, buffer) and len(dlpack._alive) == before + 1
+    del tensor
+    gc.collect()
+    assert len(dlpack._alive) == before

@@ -62,7 +62,7 @@ def test_every_recorded_call_gets_the_no_driver_error_from_the_real_bindings():
 
 # Functions the transport does not call in that lifecycle, with the argument types their callers use.
 DIRECT = {
-    "set_device": (0,), "device_synchronize": (), "current_stream": (), "stream_destroy": (0x1234,),
+    "set_device": (0,), "get_device": (), "device_synchronize": (), "current_stream": (), "stream_destroy": (0x1234,),
     "event_destroy": (0x5678,), "allocation_base": (1 << 30,), "can_access_peer": (0, 1), "enable_peer_access": (1,),
     "require": (), "probe": (), "error_text": (35,), "error_name_text": (35,), "has_memcpy_batch": (),
     "ipc_export": (1 << 30,), "ipc_open": (bytes(64),), "ipc_close": (1 << 30,), "event_create": (True,),

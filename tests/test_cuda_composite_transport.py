@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 
 import pytest
 import torch
@@ -34,7 +35,7 @@ class VmmGroup:
     """G cuda transports with mapping='vmm-posix-fd', segments filled with the owned experts of
     seeded [E * nb] tensors, handles exchanged as the setup's all-gather would, opened and sealed."""
 
-    def __init__(self, case="page", E=8, G=3, L=None, num_layers=2, slice_bytes=1000):
+    def __init__(self, case="page", E=8, G=3, L=None, num_layers=2, slice_bytes=1000, gpu: int | None = None):
         g, self.nbytes = CASES[case] if isinstance(case, str) else case  # a name, or (granularity, nbytes)
         self.E, self.G, self.num_layers, self.slice_bytes = E, G, num_layers, slice_bytes
         self.placement = build_placement(E, G, L)
@@ -44,8 +45,10 @@ class VmmGroup:
                         for _ in range(num_layers)]  # [layer][tensor]: the unwrapped model's bytes
         self.device = FakeDevice()
         self.drivers = [HostBackedDriver(g) for _ in range(G)]
-        self.apis = [FakeCudaApi(self.device, r) for r in range(G)]
-        self.transports = [CudaTransport(r, "cpu", copy="batch", copy_batches=3, mapping="vmm-posix-fd",
+        # gpu: every rank's device (its streams and events are that device's); None: "cpu", device 0's.
+        self.apis = [FakeCudaApi(self.device, r, gpu=gpu or 0) for r in range(G)]
+        where = "cpu" if gpu is None else f"cuda:{gpu}"
+        self.transports = [CudaTransport(r, where, copy="batch", copy_batches=3, mapping="vmm-posix-fd",
                                          api=self.apis[r], driver=self.drivers[r]) for r in range(G)]
         self.segments, self.views = [], []
         for r, t in enumerate(self.transports):
@@ -58,7 +61,7 @@ class VmmGroup:
                         at = layout.segment_offset(layer, e, k)
                         segment[at:at + nb] = self.stacked[layer][k][e * nb:(e + 1) * nb]
             self.segments.append(segment)
-        self.setup_calls = [len(d.calls) for d in self.drivers]
+        self.setup_calls = [len(d.names()) for d in self.drivers]
         self.handles = [t.register() for t in self.transports]
 
     def open(self):
@@ -177,7 +180,7 @@ def test_seal_closes_the_exported_fds_and_close_releases_everything_in_reverse()
         with pytest.raises(OSError):
             os.fstat(fd)  # sealed: the exporter's fds are closed (each peer holds its own imports)
     group.prefetch(0, 0)
-    marks = [len(d.calls) for d in group.drivers]
+    marks = [len(d.names()) for d in group.drivers]
     group.close()
     for r, driver in enumerate(group.drivers):
         assert not driver.errors, driver.errors
@@ -241,7 +244,10 @@ def test_where_pidfd_getfd_is_refused_the_fds_go_over_the_socket_until_seal(monk
     before, threads = _open_fds(), threading.active_count()
     group = VmmGroup("2MiB")
     names = [h["socket"] for h in group.handles]
-    assert all(name.startswith(f"dwdp-vmm-{os.getpid()}-") for name in names) and len(set(names)) == group.G
+    from dwdp.runtime.transport.cuda_vmm import pid_namespace
+
+    assert all(name.startswith(f"dwdp-vmm-{pid_namespace()}-{os.getpid()}-") for name in names), names
+    assert len(set(names)) == group.G
     with caplog.at_level(logging.INFO, logger="dwdp"):
         group.open()
     lines = [r.getMessage() for r in caplog.records if "cuda transport on" in r.getMessage()]
@@ -384,29 +390,49 @@ def test_every_layout_case_builds_on_the_strict_fakes_and_the_views_hold_the_exp
     group.close()
 
 
-def test_close_waits_for_the_compute_and_copy_streams_before_the_first_unmap():
+def _unmaps_so_far(driver) -> int:
+    return driver.names().count("cuMemUnmap")
+
+
+@pytest.mark.parametrize("where", ["compute", "side"])
+def test_close_drains_every_stream_before_the_first_unmap(where):
+    """A kernel still queued when close comes (on the compute stream, or on a side stream the forward ran
+    on: torch.cuda.stream(s)) runs before the first cuMemUnmap; the copy stream is waited on too."""
     group = VmmGroup("page").open()
     t, driver, api = group.transports[0], group.drivers[0], group.apis[0]
     group.prefetch(0, 0)
-    api.launch(lambda: None)  # a kernel reading the views, still on the compute stream
-    device_calls_at_unmap = []
-    unmap = driver.cuMemUnmap
-
-    def recording_unmap(ptr, size):
-        if not device_calls_at_unmap:
-            device_calls_at_unmap.extend(group.device.calls)
-        return unmap(ptr, size)
-
-    driver.cuMemUnmap = recording_unmap
+    stream = api.compute if where == "compute" else api.side_stream()
+    ran_at = []
+    with api.use_stream(stream):
+        api.launch(lambda: ran_at.append(_unmaps_so_far(driver)))  # a kernel reading the views
+    group.device.stalled.add(stream)  # it has not run by the time close is called
+    threading.Timer(0.2, group.device.stalled.discard, (stream,)).start()
     t.close()
-    calls = [(name, args) for rank, name, args in device_calls_at_unmap if rank == 0]
-    recorded = {args[0]: args[1] for name, args in calls if name == "event_record"}
-    waited = [recorded.get(args[0]) for name, args in calls if name == "event_wait"]
-    assert api.compute in waited, "no wait on the compute stream before the first cuMemUnmap"
-    assert t._stream is None and group.device.streams  # the copy stream was waited on too, then destroyed
-    copy_streams = [sid for sid, kind in group.device.stream_kind.items() if kind == "copy"]
-    assert any(w in copy_streams for w in waited), "no wait on the copy stream before the first cuMemUnmap"
+    assert ran_at == [0], f"the {where} stream's kernel ran after {ran_at} cuMemUnmap calls"
+    assert _unmaps_so_far(driver) > 0 and t._stream is None
     group.close()
+
+
+def test_a_close_whose_drain_times_out_unmaps_nothing_and_says_so(caplog):
+    import logging
+
+    group = VmmGroup("page").open()
+    t, driver, api = group.transports[0], group.drivers[0], group.apis[0]
+    group.prefetch(0, 0)
+    api.launch(lambda: None)
+    group.device.stalled.add(api.compute)  # a kernel that never finishes
+    t.close_timeout_s = 0.3
+    mark = len(driver.names())
+    with caplog.at_level(logging.ERROR, logger="dwdp"):
+        t.close()
+    tail = driver.names()[mark:]
+    assert not {"cuMemUnmap", "cuMemRelease", "cuMemAddressFree"} & set(tail), tail
+    lines = [r.getMessage() for r in caplog.records if "work still in flight at close" in r.getMessage()]
+    assert len(lines) == 1 and "every mapping is left in place" in lines[0], lines
+    assert not t.mapper.holds_exports()
+    group.device.stalled.clear()
+    for other in group.transports[1:]:
+        other.close()
 
 
 def test_a_peer_segment_is_a_tensor_over_its_mapping_not_a_copy():
@@ -459,3 +485,89 @@ def test_the_copies_issued_keep_the_peers_round_robin():
         assert first_round == [p for p in ((rank + k) % 4 for k in range(1, 4)) if p in plan.peers], \
             f"rank {rank} issued its peers in the order {first_round}"
     group.close()
+
+
+def _on_a_new_thread(fn, *args):
+    """fn(*args) on a thread that never set a device (a health thread, a finaliser); its exception, if any."""
+    raised = []
+
+    def run():
+        try:
+            fn(*args)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    return raised[0] if raised else None
+
+
+def test_transport_calls_from_a_thread_that_never_set_a_device_run_on_the_ranks_device():
+    """On a rank whose device is 1, the health thread's failover (forget_peer), a ticket's wait and close
+    from other threads record their events on device 1 and make no context on device 0."""
+    group = VmmGroup("page", gpu=1).open()
+    t = group.transports[0]
+    group.device.contexts.clear()
+    plan = build_composite_plan(group.layouts, 0, 0, group.slice_bytes)
+    ticket = t.submit(plan, group.views[0].layer_range(0))
+    assert _on_a_new_thread(ticket.wait, 5.0) is None
+    assert _on_a_new_thread(t.forget_peer, 1) is None
+    assert 1 in t._forgotten and not t.mapper.peer_ranges.get(1)
+    assert _on_a_new_thread(t.close) is None
+    assert group.device.contexts == {1}, f"contexts made on devices {sorted(group.device.contexts)}"
+    for other in group.transports[1:]:
+        other.close()
+
+
+def test_a_close_whose_unmap_fails_once_still_releases_the_rest_and_holds_no_export():
+    """cuMemUnmap fails once during close: every other piece is still unmapped and released, the exported
+    fds (kept for the board) are closed and the fd server stops; the failure is raised at the end."""
+    from dwdp.runtime.transport.cuda_api import CudaError
+
+    threads = threading.active_count()
+    group = VmmGroup("page")
+    for t in group.transports:
+        t.open(group.handles)
+        t.board_handle()  # the exports outlive seal (a rank started later takes them)
+        t.seal()
+    t, driver = group.transports[0], group.drivers[0]
+    exported = list(t.mapper.exported_fds)
+    assert exported and t.mapper.fd_server is not None
+    driver.fail_once("cuMemUnmap")
+    with pytest.raises(CudaError, match="cuMemUnmap failed"):
+        t.close()
+    assert t.mapper.exported_fds == [] and t.mapper.fd_server is None
+    for fd in exported:
+        with pytest.raises(OSError):
+            os.fstat(fd)
+    left = [(ptr, size) for ptr, (size, _) in driver.mapped.items()]
+    assert len(left) == 1, f"one piece stays mapped (its unmap failed), not {left}"
+    assert driver.names().count("cuMemRelease") == driver.names().count("cuMemCreate") + \
+        driver.names().count("cuMemImportFromShareableHandle"), "an allocation was not released"
+    for other in group.transports[1:]:
+        other.close()
+    assert threading.active_count() == threads, "an fd server thread outlived close"
+
+
+def test_two_exports_of_one_process_get_different_socket_names():
+    from dwdp.runtime.transport.cuda_vmm import fd_socket_name, pid_namespace
+
+    names = {fd_socket_name(0) for _ in range(2)} | {fd_socket_name(1)}
+    assert len(names) == 3 and all(n.startswith(f"dwdp-vmm-{pid_namespace()}-{os.getpid()}-") for n in names), names
+
+
+def test_the_layout_granularity_fits_the_segments_handle_type_and_the_pools():
+    """The driver may answer another granularity for the pool's allocations (no handle type) than for the
+    segment's (POSIX fds): every size and address is a multiple of both."""
+    placement = build_placement(8, 2)
+    driver = HostBackedDriver(PAGE)
+    driver.none_granularity = 4 * PAGE
+    t = CudaTransport(0, "cpu", mapping="vmm-posix-fd", api=FakeCudaApi(FakeDevice(), 0), driver=driver)
+    assert t.granularity() == 4 * PAGE
+    layout = composite_layouts(placement, 2, (3000, 1700), t.granularity(), num_slots=2)[0]
+    t.alloc_segment(layout.segment_nbytes, tuple(a.nbytes for a in layout.segment_allocations))
+    t.composite_views(layout)
+    assert not driver.errors, driver.errors
+    t.close()
+    assert not driver.mapped and not driver.memory

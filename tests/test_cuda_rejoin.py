@@ -187,3 +187,62 @@ def test_vmm_posix_fd_export_outlives_seal_for_the_board_and_a_new_import_is_rea
     assert not fds & _fds(), "close left the board's exports open"
     group.close()
     assert not driver.errors and not driver.memory, (driver.errors, driver.memory)
+
+
+class _Record:
+    def seal(self):
+        pass
+
+    def start(self):
+        pass
+
+    def board_handle(self):
+        return {"record": "fake"}
+
+
+class _Board:
+    """Records, at publish time, whether the device still had the fill queued and what the segment held."""
+
+    def __init__(self, device, segment):
+        self.device, self.segment, self.published = device, segment, []
+
+    def publish(self, rank, entry, record, checksum):
+        self.published.append((rank, self.device.pending(), int(self.segment.min()), int(self.segment.max())))
+
+    def withdraw(self, rank):
+        pass
+
+
+def test_a_rejoining_rank_publishes_its_board_entry_only_once_its_fill_has_landed(monkeypatch):
+    """A rejoin registers (and maps its peers) before it fills its segment; on a device the fill is
+    asynchronous (a copy out of a live peer's segment, queued on a stream). Survivors map the segment as
+    soon as the entry is on the board, so the entry goes up only once the fill has landed."""
+    import types
+
+    import dwdp.runtime.model as model_module
+    from dwdp.runtime.group import DWDPGroup
+    from dwdp.runtime.model import DWDPModel
+
+    group = FakeGroup(num_experts=8, size=3, num_local=4).open()
+    transport, api = group.transports[VICTIM], group.apis[VICTIM]
+    segment = transport._segment
+    segment.fill_(0)
+
+    def fill(index, layer, seg, local_ids, source):  # the copy is queued, as torch queues it on a GPU
+        api.launch(lambda: seg.fill_(9))
+
+    model = DWDPModel.__new__(DWDPModel)
+    torch.nn.Module.__init__(model)
+    layer = types.SimpleNamespace(name="layers.0.experts", module=torch.nn.Linear(1, 1), spec=None)
+    board = _Board(group.device, segment)
+    model.group = DWDPGroup(VICTIM, 3, VICTIM, 3, None, "fake-group", rejoining=True)
+    model.transport, model.experts_layers, model.experts_modules = transport, [layer], [layer.module]
+    model.placement, model.model = group.placement, layer.module
+    model.path = types.SimpleNamespace(alloc_segment=lambda: segment, fill=fill)
+    model._rejoin = lambda board, checksum, source: (_Record(), None, {}, source)
+    monkeypatch.setattr(model_module, "dense_checksum", lambda *a: 0)
+    monkeypatch.setattr(model_module, "_module_source", lambda layers: None)
+    monkeypatch.setattr(model_module, "close_records", lambda *a: None)
+    model._share_experts(board, None)
+    assert board.published == [(VICTIM, False, 9, 9)], f"published with the fill in flight: {board.published}"
+    group.close()

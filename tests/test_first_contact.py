@@ -309,6 +309,51 @@ def test_forward_after_close_says_the_model_was_closed(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def _touch_after_close(rank: int, shm_dir: str, seeds: tuple[int, int]) -> dict:
+    """Wrap (ranks with different seeds: refused at setup after the fill), close, then use the model the
+    way a user might: print it, take its state_dict, read every parameter, move it to the CPU. A view left
+    over unmapped memory would end this process with SIGSEGV (the rank's result would never come)."""
+    from dwdp.models.adapters import find_experts
+    from dwdp.models.tiny import build_tiny_model
+    from dwdp.runtime.config import DWDPConfig
+    from dwdp.runtime.group import init_group
+    from dwdp.runtime.model import DWDPModel
+
+    os.environ["DWDP_SHM_DIR"] = shm_dir
+    torch.set_num_threads(1)
+    group = init_group()
+    model = build_tiny_model("mixtral", seed=seeds[rank])
+    experts = [layer.module for layer in find_experts(model)]
+    try:
+        wrapped = DWDPModel(model, DWDPConfig(), group)
+        outcome = wrapped.experts_kernel
+        wrapped.close()
+    except ValueError as exc:
+        outcome = f"refused: {str(exc)[:40]}"
+    text = str(model)
+    keys = len(model.state_dict())
+    meta = sorted({name for m in experts for name, p in m.named_parameters() if p.device.type == "meta"})
+    total = sum(float(p.float().sum()) for p in model.parameters() if p.device.type != "meta")  # reads them all
+    try:
+        model.cpu()
+        moved = "moved"
+    except NotImplementedError as exc:
+        moved = str(exc)
+    return dict(outcome=outcome, printed=bool(text), keys=keys, meta=meta, read=total == total, moved=moved)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seeds", [(1, 1), (1, 2)], ids=["closed", "setup_refused"])
+def test_after_close_or_a_failed_setup_the_experts_raise_a_python_error_instead_of_faulting(tmp_path, seeds):
+    from dwdp.runtime.group import launch_local
+
+    for r in launch_local(_touch_after_close, 2, (str(tmp_path), seeds), timeout_s=100):
+        want = "composite" if seeds == (1, 1) else "refused: ranks [1] hold different dense (non-expe"
+        assert r["outcome"] == want and r["printed"] and r["keys"] > 0 and r["read"], r
+        assert r["meta"] == ["down_proj", "gate_up_proj"], r
+        assert "meta" in r["moved"], r
+
+
 # -- dwdp bench: results go where the user says, never over the stored runs ------------------------
 @pytest.mark.parametrize("argv, option", [
     (["bench", "compare"], "out_dir"), (["bench", "regimes"], "out_dir"), (["bench", "serve"], "out"),

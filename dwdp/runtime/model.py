@@ -129,6 +129,22 @@ def check_same_dense(checksums: list[int]) -> None:
                      f"{where}): every rank of a DWDP group must load the same model (same checkpoint, same seed)")
 
 
+def park_expert_tensors(layers) -> None:
+    """Every moving tensor of every experts layer becomes a meta tensor of its shape and dtype.
+
+    They were views of this rank's segment or of its composite views: shared or device memory the
+    transport unmaps at close (or when setup fails). A view kept over unmapped memory faults on its
+    first read (SIGSEGV on the host, an illegal address on CUDA, sticky for the whole process); a meta
+    tensor keeps the shape and dtype (a print, a state_dict's keys) and raises a Python error on any read
+    of its data (`.cpu()`, a kernel). Mapping the memory for as long as a tensor holds it would keep every
+    segment, import and pool alive past close, which is what close is for."""
+    for layer in layers:
+        for tensor in layer.spec.moving:
+            current = tensor.stored(layer.module)
+            if current.device.type != "meta":
+                tensor.replace(layer.module, torch.empty(current.shape, dtype=current.dtype, device="meta"))
+
+
 class DWDPModel(ModelWrapper):
     """One rank of a DWDP group around `model`, called exactly like `model`.
 
@@ -170,13 +186,19 @@ class DWDPModel(ModelWrapper):
         self.expert_biases = _bias_report(first.spec)
 
         self.transport = self._open_transport(backend, config, group, device)
-        board = self._board()
-        self.path = resolve_experts_path(config, layers, placement, group.rank, self.transport, device)
-        record, liveness, lost_at_start = self._share_experts(board, expert_source)
-        self.views, self.experts_kernel = self.path.views, self.path.kernel
-        self._prefetch(record, liveness, board, lost_at_start, device)
-        self._attach_hooks(trace or envs.trace_dir())
-        self.memory = self._memory_report()
+        try:
+            board = self._board()
+            self.path = resolve_experts_path(config, layers, placement, group.rank, self.transport, device)
+            record, liveness, lost_at_start = self._share_experts(board, expert_source)
+            self.views, self.experts_kernel = self.path.views, self.path.kernel
+            self._prefetch(record, liveness, board, lost_at_start, device)
+            self._attach_hooks(trace or envs.trace_dir())
+            self.memory = self._memory_report()
+        except BaseException:
+            # The model's experts may already be views of memory the transport unmaps: park them first.
+            park_expert_tensors(layers)
+            self.transport.close()
+            raise
         log.info("rank %d/%d: %s backend, %s, biases %s, %s", group.rank, group.size, backend, self.path.describe(),
                  self.expert_biases, self.memory)
 
@@ -218,6 +240,9 @@ class DWDPModel(ModelWrapper):
                 record, liveness, lost_at_start, source = self._rejoin(board, checksum, source)
             for index, layer in enumerate(layers):
                 path.fill(index, layer, segment, local_ids, source)
+            # On a device the fill runs asynchronously: it must have landed before any peer may read the
+            # segment (register() waits for it too; a rejoining rank registered before its fill).
+            transport.fill_landed()
             if not group.rejoining:
                 # The one setup exchange also carries a checksum of the dense weights: ranks that loaded
                 # different models (another seed, another checkpoint) would compute wrong logits silently.
@@ -234,7 +259,7 @@ class DWDPModel(ModelWrapper):
             if board is not None:
                 board.publish(group.rank, board_entry, record.board_handle(), checksum)
         except BaseException:
-            transport.close()
+            transport.close()  # __init__ parks the experts' tensors
             close_records(record, liveness)
             raise
         self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
@@ -379,6 +404,7 @@ class DWDPModel(ModelWrapper):
             # take fd numbers that are closed or already reused.
             if self._board_finalizer is not None:
                 self._board_finalizer()
+            park_expert_tensors(self.experts_layers)
             self._finalizer()
             self._liveness_finalizer()
             if self.recorder is not None:

@@ -256,6 +256,11 @@ class Transport(ABC):
         """Map every peer's segment; `handles[r]` comes from rank r of the group (None: a peer lost
         before this rank joined, where `can_rejoin`). Both."""
 
+    def fill_landed(self) -> None:
+        """Block until everything written into this rank's segment so far has landed (a fill on a device
+        runs asynchronously): before its board entry is published, peers may read it. Host: copies are
+        synchronous, nothing to wait for."""
+
     @abstractmethod
     def seal(self) -> None:
         """Called once all peers opened this rank's segment: drop names that could leak. Both."""

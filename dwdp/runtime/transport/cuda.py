@@ -30,8 +30,10 @@ control logic with a recording fake on a CPU.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import socket
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +49,7 @@ from dwdp.runtime.transport.cuda_peers import PeerMapping
 from dwdp.runtime.transport.cuda_process import ProcessMapping
 from dwdp.runtime.transport.cuda_symmetric import SymmetricMapping
 from dwdp.runtime.transport.cuda_vmm_peers import VMM_MAPPINGS, VmmMapping
+from dwdp.runtime.transport.teardown import Steps
 
 log = logging.getLogger("dwdp")
 
@@ -56,6 +59,20 @@ PEER_MAPPINGS: Mapping[str, type[PeerMapping]] = MappingProxyType({
     **{name: VmmMapping for name in VMM_MAPPINGS}})
 # Mappings whose export a process started later can open (a rank rejoining the group through the board).
 REJOINABLE_MAPPINGS = tuple(name for name, cls in PEER_MAPPINGS.items() if cls.rejoinable)
+
+
+def on_rank_device(method):
+    """Run a transport method with the rank's device current on the calling thread. The runtime keeps the
+    current device per host thread: a call from a thread that never set one (the health thread's
+    failover, a finaliser, a rejoin) would make a context on device 0, record events there and fail
+    against the rank's streams ("event and stream must be on the same device")."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        self.make_device_current()
+        return method(self, *args, **kwargs)
+
+    return run
 
 
 @dataclass(frozen=True, eq=False)
@@ -138,27 +155,35 @@ class CudaTicket:
     # -- compute side: enqueue, never block ----------------------------------------------------
     def wait(self, timeout: float) -> float:
         """The caller's current stream waits for every slice; returns 0.0 (nothing waited here)."""
+        self._transport.make_device_current()
         self._raise_if_failed()
         if self._events:
             api = self._transport.api
-            self._device_call(api.stream_wait_event, api.current_stream(), self._events[-1])
+            stream = api.current_stream()
+            self._transport.reader_streams.add(stream)
+            self._device_call(api.stream_wait_event, stream, self._events[-1])
         return 0.0
 
     def wait_experts(self, experts, timeout: float) -> float:
         """The caller's current stream waits for the batch that completes the last of `experts`."""
+        self._transport.make_device_current()
         self._raise_if_failed()
         batches = [self._expert_batch[e] for e in experts if e in self._expert_batch]
         if batches:
             api = self._transport.api
-            self._device_call(api.stream_wait_event, api.current_stream(), self._events[max(batches)])
+            stream = api.current_stream()
+            self._transport.reader_streams.add(stream)
+            self._device_call(api.stream_wait_event, stream, self._events[max(batches)])
         return 0.0
 
     # -- host side: queries and deadline waits -------------------------------------------------
     def done(self) -> bool:
+        self._transport.make_device_current()
         self._raise_if_failed()
         return not self._events or self._device_call(self._transport.api.event_query, self._events[-1])
 
     def expert_ready(self, expert: int) -> bool:
+        self._transport.make_device_current()
         self._raise_if_failed()
         batch = self._expert_batch.get(expert)
         return batch is None or self._device_call(self._transport.api.event_query, self._events[batch])
@@ -166,6 +191,7 @@ class CudaTicket:
     def landed_prefix(self, experts) -> int:
         """How many of `experts`, in order, lie in batches whose events have completed (queried,
         never waited on): the experts before the first one whose batch is still on the copy stream."""
+        self._transport.make_device_current()
         self._raise_if_failed()
         api, done_batches, count = self._transport.api, 0, 0
         for e in experts:
@@ -180,6 +206,7 @@ class CudaTicket:
 
     def synchronize(self, timeout: float) -> float:
         """Block the host until every batch landed; PrefetchTimeout names the peers outstanding."""
+        self._transport.make_device_current()
         self._raise_if_failed()
         start = time.perf_counter()
         if self._events:
@@ -244,8 +271,10 @@ class CudaTransport(Transport):
         api.require()
         self.rank = rank
         self.device = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
-        if self.device.type == "cuda":
-            api.set_device(self.device.index or 0)
+        # The device every call runs on, made current on whichever thread calls (on_rank_device); None for a
+        # "cpu" device (tests whose fake device is host memory).
+        self._device_index = (self.device.index or 0) if self.device.type == "cuda" else None
+        self.make_device_current()
         self.mapping = mapping
         self.copy_batches, self.prefer_overlap, self.close_timeout_s = copy_batches, prefer_overlap, close_timeout_s
         self.copy = copy
@@ -270,7 +299,14 @@ class CudaTransport(Transport):
         self._handle: dict | None = None              # what register() exported
         self._keep_export = False                     # board_handle() given: the export outlives seal
         self._closed = False
+        self.reader_streams: set[int] = set()  # streams that waited on a ticket or released a slot
         self.recorder = None  # copy slices have no host lane on this backend: see NVTX / Nsight instead
+
+    def make_device_current(self) -> None:
+        """The rank's device current on the calling thread (set only when another one is: a set device's
+        context is made, and the thread keeps it afterwards)."""
+        if self._device_index is not None and self.api.get_device() != self._device_index:
+            self.api.set_device(self._device_index)
 
     @property
     def fd_paths(self) -> dict[int, str]:
@@ -283,6 +319,7 @@ class CudaTransport(Transport):
         return self.mapper.views
 
     # -- setup ---------------------------------------------------------------------------------
+    @on_rank_device
     def alloc_segment(self, nbytes: int, allocations: tuple[int, ...] | None = None) -> torch.Tensor:
         """uint8 [nbytes]: this rank's segment. allocations (VMM mappings only): the sizes of the
         cuMem allocations that make it up, back to back (CompositeLayout.segment_allocations), each a
@@ -298,15 +335,18 @@ class CudaTransport(Transport):
     def describe_mapping(self) -> str:
         return self.mapper.describe()
 
+    @on_rank_device
     def granularity(self) -> int:
         """The cuMem allocation granularity of this device for the segment's handle type (VMM only)."""
         return self.mapper.granularity()
 
+    @on_rank_device
     def composite_views(self, layout):
         """This rank's composite views over its segment (see dwdp.runtime.transport.cuda_vmm); closed
         with the transport. Ran on one H200 with POSIX fds."""
         return self.mapper.composite_views(layout)
 
+    @on_rank_device
     def register(self) -> dict:
         if self._segment is None:
             raise RuntimeError(f"rank {self.rank}: register() before alloc_segment()")
@@ -318,6 +358,7 @@ class CudaTransport(Transport):
         self._handle = handle
         return handle
 
+    @on_rank_device
     def open(self, handles: list[dict | None]) -> None:
         if self._peer_ptrs:
             raise RuntimeError(f"rank {self.rank}: open() called twice")
@@ -365,12 +406,14 @@ class CudaTransport(Transport):
         return {k: v.hex() if isinstance(v, bytes) else [x.hex() for x in v] if k == "fabric" else v
                 for k, v in self._handle.items()}
 
+    @on_rank_device
     def peer_segment(self, peer: int) -> torch.Tensor:
         """`peer`'s mapped segment, uint8 [nbytes] on this device (a rejoining rank copies its experts from it)."""
         if peer == self.rank or not 0 <= peer < len(self._peer_ptrs) or peer in self._forgotten:
             raise ValueError(f"rank {self.rank}: peer {peer} has no mapped segment")
         return self.api.tensor_at(self._peer_ptrs[peer], self._peer_nbytes[peer], self.device)
 
+    @on_rank_device
     def open_peer(self, peer: int, handle: dict) -> None:
         """Map the segment of a new incarnation of `peer` (lost, forgotten, then rejoined: `handle` is its
         board_handle). Plans prepared while the old incarnation was mapped are dropped, so no copy ever
@@ -396,6 +439,13 @@ class CudaTransport(Transport):
         self._forgotten.discard(peer)
         self.faulty_peers = MappingProxyType({p: why for p, why in self.faulty_peers.items() if p != peer})
 
+    @on_rank_device
+    def fill_landed(self) -> None:
+        """The segment's fill (torch copies on whatever stream, peers' segments read by a rejoin) has
+        landed: the device is synchronised (setup only)."""
+        self.api.device_synchronize()
+
+    @on_rank_device
     def seal(self) -> None:
         """Stop serving and close the exported POSIX fds (every peer imported its own before the setup
         barrier) unless the board hands them to ranks that join later; nothing else to unlink: an IPC
@@ -468,6 +518,7 @@ class CudaTransport(Transport):
         expert_batch = MappingProxyType({e: b for b, batch in enumerate(batches) for e in batch.completes})
         return _PreparedPlan(plan, dst_base, tuple(batches), expert_batch, tuple(b.peers for b in batches))
 
+    @on_rank_device
     def submit(self, plan: CopyPlan, slot_buffer: torch.Tensor) -> CudaTicket:
         if self._closed:
             raise RuntimeError(f"rank {self.rank}: submit() on a closed transport")
@@ -522,6 +573,7 @@ class CudaTransport(Transport):
             raise PeerCopyError(f"rank {self.rank}: copy {index} from peer {peer} failed to enqueue: {exc}",
                                 peer) from exc
 
+    @on_rank_device
     def forget_peer(self, peer: int) -> None:
         """Refuse copies from `peer` from now on and release its mapping once the copies already
         enqueued from it have run (a fence on the copy stream, checked without blocking)."""
@@ -558,6 +610,7 @@ class CudaTransport(Transport):
             self.mapper.release(retired)
         self._unmap_after = waiting
 
+    @on_rank_device
     def release_slot(self, slot: int) -> None:
         """Record the slot's consume event on the compute stream, after the reads just issued."""
         if self._closed:
@@ -565,18 +618,27 @@ class CudaTransport(Transport):
         event = self._consume.get(slot)
         if event is None:
             event = self._consume[slot] = self.api.event_create()
-        self.api.event_record(event, self.api.current_stream())
+        stream = self.api.current_stream()
+        self.reader_streams.add(stream)
+        self.api.event_record(event, stream)
 
     # -- teardown ------------------------------------------------------------------------------
+    @on_rank_device
     def close(self) -> None:
+        """Drain, then release everything in the reverse of setup; every step runs whatever failed before
+        it (one failing unmap must not leave exports, events or the fd server behind), and the first
+        error is raised at the end. A drain that does not finish in time leaves every mapping in place
+        (one log line): unmapping under running work would fault this process's context."""
         if self._closed:
             return
         self._closed = True
+        steps = Steps(f"rank {self.rank}: closing the cuda transport")
         drained = self._drain_before_unmap()
-        # Unmapping a peer's segment under a running copy would fault it: only once drained.
-        self.mapper.close(drained)
+        steps.run("releasing the mappings", self.mapper.close, drained)
         fences = [fence for _, fence in self._unmap_after]
         self._unmap_after = []
+        # Events and the stream only cost a handle until the process exits: a sticky error fails them all,
+        # and one line (the drain's) has said so.
         for event in [*self._consume.values(), *(e for evs in self._slot_events.values() for e in evs), *fences]:
             try:
                 self.api.event_destroy(event)
@@ -590,26 +652,49 @@ class CudaTransport(Transport):
                 pass
         self._stream = None
         self._peer_ptrs, self._segment = [], None
-        if self.mapper.holds_exports():  # a failed setup, or kept for the board
-            self.seal()
+        if self.mapper.holds_exports():  # a failed setup, a failed close, or kept for the board
+            self._keep_export = False
+            steps.run("closing the exports", self.seal)
+        steps.raise_first()
 
     def _drain_before_unmap(self) -> bool:
-        """Wait (with the close deadline) for the copy stream and, where this rank maps memory that
-        kernels read (its segment, composite views), the compute stream: cuMemUnmap waits for nothing,
-        and unmapping a range under a running kernel or copy faults the context. False on a timeout or
+        """Wait, within the close deadline, for every stream that may still read mapped memory: a fence on
+        the copy stream and on every stream that waited on a ticket or released a slot, then the whole
+        device synchronised (as PyTorch's symmetric memory does before it unmaps: a forward on a side
+        stream, a CUDA-graph replay, a close from a finaliser thread). cudaDeviceSynchronize has no
+        deadline: it runs on a helper thread waited for with the remaining time. False on a timeout or
         a sticky error: the mappings are then left to process exit."""
-        streams = []
-        if self._stream is not None:
-            streams.append(("copy", self._stream))
+        deadline = time.monotonic() + self.close_timeout_s
+        streams = [s for s in (self._stream, *sorted(self.reader_streams)) if s is not None]
         try:
-            if self.mapper.compute_reads_mapped_memory():
-                streams.append(("compute", self.api.current_stream()))
-            for what, stream in streams:
+            for stream in streams:
                 fence = self.api.event_create()
                 self.api.event_record(fence, stream)
-                self.api.event_wait(fence, self.close_timeout_s)
+                self.api.event_wait(fence, max(deadline - time.monotonic(), 0.0))
                 self.api.event_destroy(fence)
+            self._synchronize_device(max(deadline - time.monotonic(), 0.0))
         except (cuda_api.CudaError, TimeoutError) as exc:
-            log.error("rank %d: work still in flight at close (%s); mappings are left to process exit", self.rank, exc)
+            log.error("rank %d: work still in flight at close (%s); every mapping is left in place until the "
+                      "process exits", self.rank, exc)
             return False
         return True
+
+    def _synchronize_device(self, timeout_s: float) -> None:
+        """cudaDeviceSynchronize on a helper thread (the rank's device made current there), waited for at
+        most `timeout_s`; TimeoutError after that (the thread finishes whenever the device does)."""
+        done, failed = threading.Event(), []
+
+        def synchronize():
+            try:
+                self.make_device_current()
+                self.api.device_synchronize()
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=synchronize, name=f"dwdp-close-sync-{self.rank}", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"the device did not finish its queued work within {self.close_timeout_s:.3g} s")
+        if failed:
+            raise failed[0]

@@ -170,8 +170,15 @@ def set_device(device: int) -> None:
     _check("cudaSetDevice", rt.cudaSetDevice(int(device)), f"device {device}")
 
 
+def get_device() -> int:
+    """The calling thread's current device (0 on a thread that never set one; makes no context)."""
+    rt, _ = _bindings()
+    return int(_check("cudaGetDevice", rt.cudaGetDevice()))
+
+
 def device_synchronize() -> None:
-    """Setup only: every queued operation of this device finished (never on the hot path)."""
+    """Every queued operation of the current device finished, whatever stream it is on (setup and
+    teardown only, never on the hot path; it has no deadline: see CudaTransport's drain)."""
     rt, _ = _bindings()
     _check("cudaDeviceSynchronize", rt.cudaDeviceSynchronize())
 

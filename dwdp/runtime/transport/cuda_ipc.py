@@ -43,8 +43,8 @@ class IpcMapping(PeerMapping):
         return self.peer_bases.get(peer)
 
     def release(self, base: int) -> None:
-        self.opened.remove(base)
         self.api.ipc_close(base)
+        self.opened.remove(base)  # forgotten only once closed: a failed close is tried again at close
 
     def close_peers(self) -> None:
         opened, self.opened = self.opened, []

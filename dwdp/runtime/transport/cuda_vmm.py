@@ -34,8 +34,10 @@ import ctypes
 import errno
 import glob
 import logging
+import math
 import os
 import resource
+import secrets
 import socket
 import struct
 import threading
@@ -65,29 +67,36 @@ class Vmm:
     def __init__(self, device: int, driver=None):
         self.drv = driver if driver is not None else _bindings()[1]
         self.device = device
-        self._retained = False
-        self._ready = threading.local()
+        self._context = None      # this device's primary context, retained once by this object
+        self._lock = threading.Lock()
+
+    def _primary_context(self):
+        """This device's primary context (what the runtime's cudaSetDevice makes current), retained once for
+        the life of this object, whichever threads call."""
+        with self._lock:
+            if self._context is None:
+                drv = self.drv
+                _check_driver("cuInit", drv.cuInit, 0)
+                dev = _check_driver("cuDeviceGet", drv.cuDeviceGet, self.device)
+                self._context = _check_driver("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain, dev)
+            return self._context
 
     def _ensure_context(self) -> None:
-        if getattr(self._ready, "ok", False):
-            return
-        drv = self.drv
-        _check_driver("cuInit", drv.cuInit, 0)
-        if int(_check_driver("cuCtxGetCurrent", drv.cuCtxGetCurrent)) == 0:
-            dev = _check_driver("cuDeviceGet", drv.cuDeviceGet, self.device)
-            ctx = _check_driver("cuDevicePrimaryCtxRetain", drv.cuDevicePrimaryCtxRetain, dev)
-            self._retained = True
-            _check_driver("cuCtxSetCurrent", drv.cuCtxSetCurrent, ctx)
-        self._ready.ok = True
+        """The device's primary context current on the calling thread: a thread with none (or another
+        device's) gets it, as cudaSetDevice would give it; one retain per object, not per thread."""
+        ctx = self._primary_context()
+        if int(_check_driver("cuCtxGetCurrent", self.drv.cuCtxGetCurrent)) != int(ctx):
+            _check_driver("cuCtxSetCurrent", self.drv.cuCtxSetCurrent, ctx)
 
     def _call(self, name: str, *args):
         self._ensure_context()
         return _check_driver(name, getattr(self.drv, name), *args)
 
     def close(self) -> None:
-        """Release the primary context if this object retained it."""
-        if self._retained:
-            self._retained = False
+        """Release the primary context this object retained (once)."""
+        with self._lock:
+            context, self._context = self._context, None
+        if context is not None:
             dev = _check_driver("cuDeviceGet", self.drv.cuDeviceGet, self.device)
             _check_driver("cuDevicePrimaryCtxRelease", self.drv.cuDevicePrimaryCtxRelease, dev)
 
@@ -187,13 +196,19 @@ class Vmm:
         return ptr
 
     def unmap_back_to_back(self, ptr: int, sizes: Sequence[int]) -> None:
-        """The reverse of map_back_to_back (the handles stay the caller's)."""
+        """The reverse of map_back_to_back (the handles stay the caller's): every piece is unmapped whatever
+        failed before it, the range freed once nothing is mapped in it, the first error raised at the end."""
+        from dwdp.runtime.transport.teardown import Steps
+
+        steps = Steps(f"unmapping the range at {ptr:#x}")
         ends = [ptr]
         for nbytes in sizes:
             ends.append(ends[-1] + nbytes)
         for at, nbytes in reversed(list(zip(ends, sizes))):
-            self.unmap(at, nbytes)
-        self.address_free(ptr, sum(sizes))
+            steps.run(f"cuMemUnmap at {at:#x}", self.unmap, at, nbytes)
+        if steps.ok:
+            steps.run("cuMemAddressFree", self.address_free, ptr, sum(sizes))
+        steps.raise_first()
 
 
 def imex_channel_present(pattern: str = IMEX_CHANNELS) -> bool:
@@ -246,9 +261,11 @@ class CudaCompositeViews:
 
     def __init__(self, layout: CompositeLayout, segment: Sequence, vmm: Vmm, handle_type: str = "posix_fd",
                  tensor_at=None):
-        g = vmm.granularity(handle_type)
+        # The segment's allocations are of `handle_type`, the pool's of none: both granularities must divide.
+        g = math.lcm(vmm.granularity(handle_type), vmm.granularity("none"))
         if layout.granularity % g:
-            raise ValueError(f"layout granularity {layout.granularity} is not a multiple of the device's {g}")
+            raise ValueError(f"layout granularity {layout.granularity} is not a multiple of the device's {g} "
+                             f"(for {handle_type!r} and for the pool's 'none' allocations)")
         if len(segment) != len(layout.segment_allocations):
             raise ValueError(f"{len(segment)} segment allocations given; the layout has "
                              f"{len(layout.segment_allocations)} (one per local extent of each layer and tensor)")
@@ -300,16 +317,21 @@ class CudaCompositeViews:
         return self.range[start:start + nbytes].view(dtype).view(*shape)
 
     def close(self) -> None:
-        """Unmap every piece, free the range, release the pool (the reverse of construction). The
-        caller synchronises the streams that read the views first (cuMemUnmap waits for nothing)."""
-        for ptr, nbytes in reversed(self._mapped):
-            self.vmm.unmap(ptr, nbytes)
-        self._mapped, self._range = [], None
-        if self.base is not None:
-            self.vmm.address_free(self.base, self.total)
-            self.base = None
+        """Unmap every piece, free the range, release the pool (the reverse of construction), each step
+        whatever failed before it, the first error raised at the end. The caller synchronises the streams
+        that read the views first (cuMemUnmap waits for nothing)."""
+        from dwdp.runtime.transport.teardown import Steps
+
+        steps = Steps("closing composite views")
+        mapped, self._mapped, self._range = self._mapped, [], None
+        for ptr, nbytes in reversed(mapped):
+            steps.run(f"cuMemUnmap at {ptr:#x}", self.vmm.unmap, ptr, nbytes)
+        if self.base is not None and steps.ok:
+            steps.run("cuMemAddressFree", self.vmm.address_free, self.base, self.total)
+        self.base = None
         while self._pool:
-            self.vmm.release(self._pool.pop())
+            steps.run("cuMemRelease of a pool allocation", self.vmm.release, self._pool.pop())
+        steps.raise_first()
 
 
 # -- POSIX fds between ranks ---------------------------------------------------------------------
@@ -318,6 +340,13 @@ _SYS_PIDFD_GETFD = 438
 # pidfd_getfd refusals that the socket gets around: seccomp or Yama (EPERM), another PID namespace
 # (ESRCH), a kernel or sandbox without the call (ENOSYS).
 FD_FALLBACK_ERRNOS = (errno.EPERM, errno.EACCES, errno.ESRCH, errno.ENOSYS)
+
+
+def fd_socket_name(rank: int) -> str:
+    """The abstract socket name of one export's fd server: unique per process and export. Abstract names
+    are per network namespace and pids per PID namespace: two groups in host-network containers can
+    share a pid, so the name carries the PID namespace and a random token too."""
+    return f"dwdp-vmm-{pid_namespace()}-{os.getpid()}-{rank}-{secrets.token_hex(8)}"
 
 
 def pid_namespace() -> int:

@@ -18,6 +18,7 @@ through `driver` (cuda.bindings.driver by default, tests/fake_cuda_vmm.py in tes
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -28,7 +29,9 @@ from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.transport.base import PrefetchError
 from dwdp.runtime.transport.cuda_peers import PeerMapping, raw_bytes
 from dwdp.runtime.transport.cuda_vmm import (SCM_MAX_FD, CudaCompositeViews, FdServer, Vmm, choose_mapping,
-                                              ensure_fd_room, is_power_of_two, pid_namespace, take_fds)
+                                              ensure_fd_room, fd_socket_name, is_power_of_two, pid_namespace,
+                                              take_fds)
+from dwdp.runtime.transport.teardown import Steps
 
 log = logging.getLogger("dwdp")
 
@@ -68,9 +71,11 @@ class VmmMapping(PeerMapping):
 
     # -- the segment ---------------------------------------------------------------------------
     def granularity(self) -> int:
-        """The cuMem allocation granularity of this device for the segment's handle type."""
+        """The granularity every size and address of the segment, the views and the pool is a multiple of:
+        the least common multiple of this device's for the segment's handle type and for the pool's
+        (no handle type: nobody imports it); the driver may answer differently for each."""
         if self._granularity is None:
-            self._granularity = self.vmm.granularity(self.handle_type)
+            self._granularity = math.lcm(self.vmm.granularity(self.handle_type), self.vmm.granularity("none"))
         return self._granularity
 
     def _alignment(self) -> int:
@@ -136,7 +141,7 @@ class VmmMapping(PeerMapping):
         try:
             for h in self.own_range.handles:
                 self.exported_fds.append(self.vmm.export(h, "posix_fd"))
-            name = f"dwdp-vmm-{os.getpid()}-{self.rank}-{self.exported_fds[0]}"
+            name = fd_socket_name(self.rank)
             self.fd_server = FdServer(self.exported_fds, name)
         except BaseException:
             self.seal()
@@ -215,9 +220,14 @@ class VmmMapping(PeerMapping):
 
     # -- lost peers and teardown ---------------------------------------------------------------
     def _release_range(self, mapped: _VmmRange) -> None:
-        self.vmm.unmap_back_to_back(mapped.ptr, mapped.sizes)
+        """Unmap the range and release every allocation in it, each step whatever failed before; the first
+        error raised at the end (a handle is released even when its unmap failed: the driver frees the
+        memory once the last mapping of it goes)."""
+        steps = Steps(f"rank {self.rank}: releasing a cuMem range at {mapped.ptr:#x}")
+        steps.run("unmapping it", self.vmm.unmap_back_to_back, mapped.ptr, mapped.sizes)
         for handle in reversed(mapped.handles):
-            self.vmm.release(handle)
+            steps.run("releasing an allocation", self.vmm.release, handle)
+        steps.raise_first()
 
     def retire_peer(self, peer: int) -> _VmmRange | None:
         mapped = self.peer_ranges.pop(peer, None)
@@ -226,9 +236,10 @@ class VmmMapping(PeerMapping):
         return mapped
 
     def release(self, mapped: _VmmRange) -> None:
-        """A peer's imported allocations go with the last importer's release."""
-        self.retired.remove(mapped)
+        """A peer's imported allocations go with the last importer's release. Forgotten only once released
+        (a failed release stays retired: close tries it again)."""
         self._release_range(mapped)
+        self.retired.remove(mapped)
 
     def compute_reads_mapped_memory(self) -> bool:
         return self.own_range is not None or self.views is not None
@@ -242,23 +253,27 @@ class VmmMapping(PeerMapping):
                 log.error("rank %d: releasing the import of peer %d failed: %s", self.rank, peer, exc)
 
     def close(self, drained: bool) -> None:
+        """Release every retired import, every peer's import, the views, the segment and the primary
+        context, each whatever failed before it; the first error raised at the end. Not drained: nothing
+        is unmapped (the mappings stay until the process exits)."""
         retired, self.retired = self.retired, []
         if not drained:
             self.peer_ranges, self.segment = {}, None
             return
+        steps = Steps(f"rank {self.rank}: closing the {self.mapping} mapping")
         for mapped in retired:
-            self._release_range(mapped)
-        super().close(drained)
-        try:  # the views, then the segment's own mapping and allocation (the reverse of setup)
-            if self.views is not None:
-                self.views.close()
-            self.views = None
-            if self.own_range is not None:
-                self._release_range(self.own_range)
-            self.own_range = None
-            self.vmm.close()
-        except cuda_api.CudaError as exc:
-            log.error("rank %d: releasing the composite views or the segment failed: %s", self.rank, exc)
+            steps.run("releasing a lost peer's import", self._release_range, mapped)
+        imported, self.peer_ranges, self.segment = self.peer_ranges, {}, None
+        for peer in reversed(list(imported)):  # the reverse of setup
+            steps.run(f"releasing the import of peer {peer}", self._release_range, imported[peer])
+        if self.views is not None:
+            steps.run("closing the composite views", self.views.close)
+        self.views = None
+        if self.own_range is not None:
+            steps.run("releasing the segment", self._release_range, self.own_range)
+        self.own_range = None
+        steps.run("releasing the primary context", self.vmm.close)
+        steps.raise_first()
 
 
 def local_vmm_mapping(rank: int, device, driver=None) -> str:

@@ -45,6 +45,15 @@ _DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_
 _PyCapsule_New = ctypes.pythonapi.PyCapsule_New
 _PyCapsule_New.restype = ctypes.py_object
 _PyCapsule_New.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+# The capsule's destructor gets the dying capsule as a raw pointer (no reference taken to an object whose
+# count is already zero); these read it without touching its count.
+_PyCapsule_IsValid = ctypes.pythonapi.PyCapsule_IsValid
+_PyCapsule_IsValid.restype = ctypes.c_int
+_PyCapsule_IsValid.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_PyCapsule_GetPointer = ctypes.pythonapi.PyCapsule_GetPointer
+_PyCapsule_GetPointer.restype = ctypes.c_void_p
+_PyCapsule_GetPointer.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+_CAPSULE_DESTRUCTOR = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
 
 # Each capsule's structs stay alive until torch frees its tensor and calls the deleter.
 _alive: dict[int, tuple] = {}
@@ -59,6 +68,18 @@ def _delete(managed) -> None:
 _deleter = _DELETER(_delete)
 
 
+def _capsule_destructor(capsule: int) -> None:
+    """A capsule torch never consumed (still named "dltensor": a consumer renames it "used_dltensor") frees
+    its structs itself, as dlpack.h asks of a producer."""
+    if _PyCapsule_IsValid(capsule, b"dltensor"):
+        address = _PyCapsule_GetPointer(capsule, b"dltensor")
+        with _alive_lock:
+            _alive.pop(address, None)
+
+
+_destructor = _CAPSULE_DESTRUCTOR(_capsule_destructor)
+
+
 class _Bytes:
     """`nbytes` at `ptr` on (device_type, device_id), for torch.from_dlpack."""
 
@@ -71,18 +92,19 @@ class _Bytes:
     def __dlpack__(self, stream=None, **_kwargs):
         # The stream needs no ordering here: the caller synchronises the memory it maps.
         shape = (ctypes.c_int64 * 1)(self.nbytes)
+        strides = (ctypes.c_int64 * 1)(1)  # dlpack.h: strides "can not be NULL if ndim != 0" (newer releases)
         managed = _DLManagedTensor()
         managed.dl_tensor.data = self.ptr
         managed.dl_tensor.device = _DLDevice(*self.device)
         managed.dl_tensor.ndim = 1
         managed.dl_tensor.dtype = _DLDataType(_KDL_UINT, 8, 1)
         managed.dl_tensor.shape = shape
-        managed.dl_tensor.strides = None  # compact row-major
+        managed.dl_tensor.strides = strides
         managed.dl_tensor.byte_offset = 0
         managed.deleter = _deleter
         with _alive_lock:
-            _alive[ctypes.addressof(managed)] = (managed, shape)
-        return _PyCapsule_New(ctypes.addressof(managed), b"dltensor", None)
+            _alive[ctypes.addressof(managed)] = (managed, shape, strides)
+        return _PyCapsule_New(ctypes.addressof(managed), b"dltensor", ctypes.cast(_destructor, ctypes.c_void_p))
 
 
 def tensor_over(ptr: int, nbytes: int, device: torch.device | str) -> torch.Tensor:
