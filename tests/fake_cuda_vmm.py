@@ -90,12 +90,16 @@ class FakeDriver:
     def __getattr__(self, name):  # structs, enums and anything not faked: the real bindings'
         return getattr(real, name)
 
-    def fail_once(self, name: str, code=_INVALID) -> None:
-        """The next call of driver function `name` fails with `code` (recorded, changing nothing); later
-        calls work again."""
+    def fail_once(self, name: str, code=_INVALID, skip: int = 0) -> None:
+        """Call `skip` + 1 of driver function `name` from now fails with `code` (recorded, changing
+        nothing); the calls before and after it work."""
         working = getattr(self, name)
+        left = [skip]
 
         def failing(*args):
+            if left[0] > 0:
+                left[0] -= 1
+                return working(*args)
             del self.__dict__[name]  # back to the working method
             self.calls.append((name, args))
             return self._refuse(f"{name} failed once, on demand", code)

@@ -109,6 +109,12 @@ def _rank(rank: int) -> dict:
                      imports=driver.names().count("cuMemImportFromShareableHandle"), errors=list(driver.errors),
                      peer_allocations=len(wrapped.transport.mapper.peer_ranges[1 - rank].sizes),
                      fd_path=wrapped.transport.fd_paths[1 - rank])
+        # After close, no parameter may lie in memory the driver mapped (now unmapped): a read would fault.
+        mapped = [args[:2] for name, args in driver.calls if name == "cuMemMap"]
+        r["dangling"] = [name for name, p in model.named_parameters() if p.device.type != "meta"
+                         and any(ptr <= p.data_ptr() < ptr + size for ptr, size in mapped)]
+        r["parked"] = sorted({name.rsplit(".", 1)[-1] for name, p in model.named_parameters()
+                              if p.device.type == "meta"})
         r.update(diff=max((g - w).abs().max().item() for g, w in zip(got, want)),
                  scale=max(w.abs().max().item() for w in want),
                  left=(len(driver.mapped), len(driver.reserved), len(driver.memory)), errors_after=list(driver.errors),
@@ -135,6 +141,7 @@ def test_two_rank_cuda_model_in_composite_mode_matches_the_unwrapped_model(resul
             assert r["reserved"] == 3 and r["access"] == 1 + r["layers"] + 1, (name, r)
             assert r["imports"] == r["peer_allocations"] and not r["errors"] and not r["errors_after"], (name, r)
             assert r["left"] == (0, 0, 0), f"{name}: close left mappings/ranges/allocations {r['left']}"
+            assert r["dangling"] == [] and r["parked"], (name, r["dangling"], r["parked"])
             want_path = "socket (pidfd_getfd: EPERM)" if name.startswith("gpt_oss") else "pidfd_getfd"
             assert r["fd_path"] == want_path, (name, r["fd_path"])
             # The board entry goes while the exports it names are still open, and before they close.

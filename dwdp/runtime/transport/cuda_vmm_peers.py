@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 import torch
@@ -39,18 +39,31 @@ log = logging.getLogger("dwdp")
 VMM_MAPPINGS = MappingProxyType({"vmm-posix-fd": "posix_fd", "vmm-fabric": "fabric"})
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _VmmRange:
     """cuMem allocations `handles` (of `sizes` bytes) mapped whole, back to back, into one range of
-    their own at [ptr, ptr + nbytes): a rank's segment, or a peer's as imported here."""
+    their own at [ptr, ptr + nbytes): a rank's segment, or a peer's as imported here. `mapped` and `held`
+    say which pieces are still mapped and which handles still held, so a release that failed half way is
+    finished, not repeated, by the next one."""
 
     handles: tuple
     sizes: tuple[int, ...]
     ptr: int
+    mapped: list[bool] = field(default_factory=list)
+    held: list[bool] = field(default_factory=list)
+    reserved: bool = True
+
+    def __post_init__(self):
+        self.mapped = self.mapped or [True] * len(self.sizes)
+        self.held = self.held or [True] * len(self.handles)
 
     @property
     def nbytes(self) -> int:
         return sum(self.sizes)
+
+    @property
+    def released(self) -> bool:
+        return not (any(self.mapped) or any(self.held) or self.reserved)
 
 
 class VmmMapping(PeerMapping):
@@ -220,13 +233,22 @@ class VmmMapping(PeerMapping):
 
     # -- lost peers and teardown ---------------------------------------------------------------
     def _release_range(self, mapped: _VmmRange) -> None:
-        """Unmap the range and release every allocation in it, each step whatever failed before; the first
-        error raised at the end (a handle is released even when its unmap failed: the driver frees the
-        memory once the last mapping of it goes)."""
+        """Unmap every piece still mapped (the reverse of map_back_to_back), free the range once none is,
+        release every handle still held (even one whose unmap failed: the driver frees the memory with its
+        last mapping), each step whatever failed before it; the first error raised at the end. What
+        succeeded is recorded, so calling it again finishes the release."""
         steps = Steps(f"rank {self.rank}: releasing a cuMem range at {mapped.ptr:#x}")
-        steps.run("unmapping it", self.vmm.unmap_back_to_back, mapped.ptr, mapped.sizes)
-        for handle in reversed(mapped.handles):
-            steps.run("releasing an allocation", self.vmm.release, handle)
+        starts = [mapped.ptr + sum(mapped.sizes[:i]) for i in range(len(mapped.sizes))]
+        for i in reversed(range(len(mapped.sizes))):
+            if mapped.mapped[i] and steps.attempt(f"cuMemUnmap at {starts[i]:#x}", self.vmm.unmap, starts[i],
+                                                  mapped.sizes[i]):
+                mapped.mapped[i] = False
+        if mapped.reserved and not any(mapped.mapped) and steps.attempt(
+                "cuMemAddressFree", self.vmm.address_free, mapped.ptr, mapped.nbytes):
+            mapped.reserved = False
+        for i in reversed(range(len(mapped.handles))):
+            if mapped.held[i] and steps.attempt("cuMemRelease", self.vmm.release, mapped.handles[i]):
+                mapped.held[i] = False
         steps.raise_first()
 
     def retire_peer(self, peer: int) -> _VmmRange | None:

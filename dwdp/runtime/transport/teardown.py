@@ -23,6 +23,12 @@ class Steps:
             log.error("%s: %s failed: %s: %s", self.where, what, type(exc).__name__, exc)
             return None
 
+    def attempt(self, what: str, fn, *args) -> bool:
+        """Run one step as `run` does; True when it succeeded."""
+        failed = len(self.errors)
+        self.run(what, fn, *args)
+        return len(self.errors) == failed
+
     @property
     def ok(self) -> bool:
         return not self.errors
