@@ -302,6 +302,9 @@ if triton is not None:
         W_SCALE_TILE: tl.constexpr,  # every weight tile sits in one scale block: one scale per tile and K step
         QUANT_GROUP: tl.constexpr,  # > 0: store out as fp8, one scale per row and QUANT_GROUP columns (else 0)
         QUANT_ROUND: tl.constexpr,  # before quantizing, round to 0 fp32 (none), 1 bf16, 2 fp16 (h's dtype)
+        K_DIV: tl.constexpr,  # a power of two (<= 16) dividing K
+        A_ROW_DIV: tl.constexpr,  # one dividing A's row stride (1 unless A's K is contiguous)
+        W_ROW_DIV: tl.constexpr,  # one dividing the weights' row stride (1 unless their K is contiguous)
     ):
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
@@ -402,15 +405,30 @@ if triton is not None:
                         up_first = N_OUT + n_first
                         s_up_row0 = (up_first // half_rows) * half_scale_rows + (up_first % half_rows) // scale_block_n
                 ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-                a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
-                w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+                # Triton reads a 16-byte alignment off an int only when it is a multiple of 16. For K = 1032 (8 x 129)
+                # it could not, and every A and weight tile was loaded 2 bytes at a time, with no cp.async (the
+                # sm_90 PTX: 96 `ld.global.b16`, no 16-byte cp.async): the row offsets carry the divisibility the
+                # launcher knows, and the K mask below is built so the compiler sees it constant over K_DIV columns.
+                a_row_off = a_rows[:, None] * stride_am  # [BLOCK_M, 1]
+                if A_ROW_DIV > 1:
+                    a_row_off = tl.multiple_of(a_row_off, [A_ROW_DIV, 1])
+                a_ptrs = a_ptr + a_row_off + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+                w_row_off = w_rows[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
+                if W_ROW_DIV > 1:
+                    w_row_off = tl.multiple_of(w_row_off, [1, W_ROW_DIV])
+                w_ptrs = w_base + w_row_off + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 if GATED:
-                    up_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
+                    up_row_off = up_rows[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
+                    if W_ROW_DIV > 1:
+                        up_row_off = tl.multiple_of(up_row_off, [1, W_ROW_DIV])
+                    up_ptrs = w_base + up_row_off + ks[:, None] * stride_wk
                     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 n0 = n_tile * BLOCK_N
                 for k0 in range(0, K, BLOCK_K):
-                    k_mask = ks < K - k0
+                    # K left is a multiple of K_DIV: comparing in runs of K_DIV columns is the same mask, and one
+                    # the compiler sees is constant over each run (so the masked tail still loads 16 bytes at once).
+                    k_mask = (ks // K_DIV) < (K - k0) // K_DIV
                     if A_TMA:  # rows past the expert belong to the next one (or are zero-filled): never stored
                         a = a_desc.load([lo + m_tile * BLOCK_M, k0])
                     else:
@@ -687,6 +705,8 @@ def _launch(
     if launch.quant_out != (out_scales is not None) or launch.quant_out != (out.dtype == torch.float8_e4m3fn):
         raise ValueError(f"an fp8 output needs its scales and a launch that quantizes (quant_out={launch.quant_out}, "
                          f"out {out.dtype}, out_scales {'given' if out_scales is not None else 'missing'})")
+    from dwdp.kernels.launch import power_of_two_divisor
+
     a_strides, out_strides = kernel_strides(a), kernel_strides(out)
     if launch.a_tma and a_strides != (a.shape[1], 1):
         raise ValueError(f"the TMA path reads A as a contiguous [rows, K] tensor, got strides {a.stride()}")
@@ -713,7 +733,7 @@ def _launch(
         act_group, a.shape[0],
         out_scales if out_scales is not None else dummy,
         *(kernel_strides(out_scales, 0) if out_scales is not None else (0, 0)),
-        **dict(launch.constexprs),
+        **dict(launch.constexprs), A_ROW_DIV=power_of_two_divisor(a_strides[0]) if a_strides[1] == 1 else 1,
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
 

@@ -408,6 +408,15 @@ class LaunchConfig:
         return device.num_sms * (1 if device.is_interpreter else self.tiles.programs_per_sm)
 
 
+def power_of_two_divisor(n: int, most: int = 16) -> int:
+    """The largest power of two up to `most` that divides `n` (`most` for 0)."""
+    n = abs(int(n))
+    div = 1
+    while div < most and n % (div * 2) == 0:
+        div *= 2
+    return div
+
+
 def launch_config(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemmConfig | None = None) -> LaunchConfig:
     """The full configuration of one launch: tiles (see `choose_tiles`), load path and constexprs."""
     chosen, source = choose_tiles(problem, device, tiles)
@@ -432,5 +441,10 @@ def launch_config(problem: KernelProblem, device: DeviceInfo, tiles: GroupedGemm
         ("W_TRANSPOSED", w_tma and problem.transposed),
         ("W_SCALE_TILE", weight_scale_per_tile(problem, chosen)),
         ("QUANT_GROUP", quant_group(problem, chosen)), ("QUANT_ROUND", _ROUND[problem.quant_out_round]),
+        # Alignment Triton cannot read off K or a row stride that is not a multiple of 16 (A's comes with the
+        # tensor: grouped_gemm passes A_ROW_DIV at the launch).
+        ("K_DIV", power_of_two_divisor(problem.k)),
+        ("W_ROW_DIV", power_of_two_divisor(problem.weight_strides[0])
+         if problem.weight_strides and problem.weight_strides[1] == 1 else 1),
     )
     return LaunchConfig(chosen, source, w_tma, a_tma, blocker, constexprs, problem)

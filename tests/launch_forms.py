@@ -51,6 +51,7 @@ class Form:
     combine: str = "sum"
     tma: bool = False  # DWDP_KERNEL_TMA=1: weights (and ungathered A) through TMA descriptors
     tiles: tuple = ()  # (gate_up, down) GroupedGemmConfig overrides; () lets the launch choose
+    hidden: int = HIDDEN  # H: K of gate_up (1032 = 8 x 129: rows Triton cannot see 16-byte aligned by itself)
 
     @property
     def fp8(self) -> bool:
@@ -66,6 +67,8 @@ def _forms() -> list[Form]:
     forms = [
         Form("bf16 swiglu moe pointers"),
         Form("bf16 swiglu moe tma", tma=True),
+        Form("bf16 swiglu moe pointers K=1032", hidden=1032),
+        Form("bf16 gemm pointers K=1032", call="gemm", epilogue="none", hidden=1032),
         Form("bf16 gemm pointers", call="gemm", epilogue="none"),
         Form("bf16 gemm tma", call="gemm", epilogue="none", tma=True),
         Form("bf16 transposed biases clamped moe tma", epilogue="clamped", biases=True, transposed=True, tma=True),
@@ -140,11 +143,11 @@ def launch(form: Form, recorder: LaunchRecorder, tokens: int = TOKENS, sparse: b
     epilogue = _epilogue(form)
     gated = epilogue is not None and epilogue.gated
     gen = torch.Generator().manual_seed(tokens)
-    hidden = torch.randn(tokens, HIDDEN, generator=gen).to(form.dtype)  # [T, H]
+    hidden = torch.randn(tokens, form.hidden, generator=gen).to(form.dtype)  # [T, H]
     if tokens == 1:  # a contiguous one-token view whose row stride torch leaves at 1, as a sliced decode step can
-        hidden = hidden.view(HIDDEN, 1).t()
+        hidden = hidden.view(form.hidden, 1).t()
     if form.call == "gemm":
-        weights, scales, quant = _weights(form, 2 * INTER, HIDDEN, halves=2 if gated else 1)
+        weights, scales, quant = _weights(form, 2 * INTER, form.hidden, halves=2 if gated else 1)
         counts = torch.bincount(routing(tokens, sparse=sparse)[0][:, 0], minlength=EXPERTS)
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])  # [E + 1]
         gg.grouped_gemm(hidden, offsets, weights, activation=epilogue, wave_size=H100.num_sms,
@@ -152,12 +155,12 @@ def launch(form: Form, recorder: LaunchRecorder, tokens: int = TOKENS, sparse: b
                         config=form.tiles[0] if form.tiles else None)
         return
     first_rows = 2 * INTER if gated else INTER
-    gate_up, first_scales, first_quant = _weights(form, first_rows, HIDDEN, halves=2 if gated else 1)
-    down, down_scales, down_quant = _weights(form, HIDDEN, INTER)
+    gate_up, first_scales, first_quant = _weights(form, first_rows, form.hidden, halves=2 if gated else 1)
+    down, down_scales, down_quant = _weights(form, form.hidden, INTER)
     biases = {}
     if form.biases:
         biases = dict(first_bias=list(torch.empty(EXPERTS, first_rows, dtype=form.dtype)),
-                      down_bias=list(torch.empty(EXPERTS, HIDDEN, dtype=form.dtype)))
+                      down_bias=list(torch.empty(EXPERTS, form.hidden, dtype=form.dtype)))
     index, weights = routing(tokens, sparse=sparse)
     moe.moe_experts(hidden, index, weights, gate_up, down, epilogue=epilogue, combine=form.combine,
                     first_scales=first_scales, down_scales=down_scales, first_quant=first_quant,
