@@ -306,6 +306,16 @@ if triton is not None:
         A_ROW_DIV: tl.constexpr,  # one dividing A's row stride (1 unless A's K is contiguous)
         W_ROW_DIV: tl.constexpr,  # one dividing the weights' row stride (1 unless their K is contiguous)
     ):
+        # Triton reads a divisibility off an int argument only when it is a multiple of 16. For K = 1032
+        # (8 x 129) it read none, and every A and weight tile was loaded 2 bytes at a time with no cp.async
+        # (the sm_90 PTX: 96 `ld.global.b16`, no 16-byte cp.async). Rebuilt as (x // d) * d, a value the
+        # compiler sees is a multiple of d (the launcher checked it is one, so the value is the same).
+        if K_DIV > 1:
+            K = (K // K_DIV) * K_DIV
+        if A_ROW_DIV > 1:
+            stride_am = (stride_am // A_ROW_DIV) * A_ROW_DIV
+        if W_ROW_DIV > 1:
+            stride_wn = (stride_wn // W_ROW_DIV) * W_ROW_DIV
         pid = tl.program_id(0)
         num_programs = tl.num_programs(0)
         n_tiles = tl.cdiv(N_OUT, BLOCK_N)
@@ -405,30 +415,15 @@ if triton is not None:
                         up_first = N_OUT + n_first
                         s_up_row0 = (up_first // half_rows) * half_scale_rows + (up_first % half_rows) // scale_block_n
                 ks = tl.arange(0, BLOCK_K)  # [BLOCK_K]
-                # Triton reads a 16-byte alignment off an int only when it is a multiple of 16. For K = 1032 (8 x 129)
-                # it could not, and every A and weight tile was loaded 2 bytes at a time, with no cp.async (the
-                # sm_90 PTX: 96 `ld.global.b16`, no 16-byte cp.async): the row offsets carry the divisibility the
-                # launcher knows, and the K mask below is built so the compiler sees it constant over K_DIV columns.
-                a_row_off = a_rows[:, None] * stride_am  # [BLOCK_M, 1]
-                if A_ROW_DIV > 1:
-                    a_row_off = tl.multiple_of(a_row_off, [A_ROW_DIV, 1])
-                a_ptrs = a_ptr + a_row_off + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
-                w_row_off = w_rows[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
-                if W_ROW_DIV > 1:
-                    w_row_off = tl.multiple_of(w_row_off, [1, W_ROW_DIV])
-                w_ptrs = w_base + w_row_off + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
+                a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
+                w_ptrs = w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk  # [BLOCK_K, BLOCK_N]
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 if GATED:
-                    up_row_off = up_rows[None, :].to(tl.int64) * stride_wn  # [1, BLOCK_N]
-                    if W_ROW_DIV > 1:
-                        up_row_off = tl.multiple_of(up_row_off, [1, W_ROW_DIV])
-                    up_ptrs = w_base + up_row_off + ks[:, None] * stride_wk
+                    up_ptrs = w_base + up_rows[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk
                     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 n0 = n_tile * BLOCK_N
                 for k0 in range(0, K, BLOCK_K):
-                    # K left is a multiple of K_DIV: comparing in runs of K_DIV columns is the same mask, and one
-                    # the compiler sees is constant over each run (so the masked tail still loads 16 bytes at once).
-                    k_mask = (ks // K_DIV) < (K - k0) // K_DIV
+                    k_mask = ks < K - k0
                     if A_TMA:  # rows past the expert belong to the next one (or are zero-filled): never stored
                         a = a_desc.load([lo + m_tile * BLOCK_M, k0])
                     else:
