@@ -197,6 +197,9 @@ def _add_front_arguments(serve) -> None:
                             "(default: 5%% of it, at most 1 GiB)")
     serve.add_argument("--max-prompts-per-request", type=_positive_int, default=64,
                        help="prompts one completion request may carry (default 64)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="a model name clients may ask for besides the model's own (the decode server's "
+                            "served name is taken too)")
 
 
 def _front_config(args):
@@ -210,7 +213,8 @@ def _front_config(args):
                            api_key=args.api_key if args.api_key is not None else envs.api_key(), kv_key=kv_key(),
                            kv_max_pending=args.kv_max_pending, kv_max_pending_bytes=args.kv_max_pending_bytes,
                            kv_min_free_bytes=args.kv_min_free_bytes,
-                           max_prompts_per_request=args.max_prompts_per_request)
+                           max_prompts_per_request=args.max_prompts_per_request,
+                           served_model_name=args.served_model_name)
     except ValueError as exc:
         raise SystemExit(f"dwdp serve: {exc}") from None
 

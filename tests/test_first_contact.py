@@ -205,17 +205,17 @@ def test_prompt_too_long_names_the_bound_that_applied(max_num_tokens, positions,
 
 
 @pytest.mark.parametrize("method, path, status", [
-    ("post", "/v1/chat/completions", 404), ("get", "/v1/engines", 404), ("get", "/v1/completions", 405),
+    ("post", "/v1/embeddings", 404), ("get", "/v1/engines", 404), ("get", "/v1/completions", 405),
 ])
 def test_unknown_route_answers_in_the_api_error_shape_naming_the_endpoints(method, path, status):
     r = getattr(_client(256, 512), method)(path, **({"json": {}} if method == "post" else {}))
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert error["code"] == status and error["message"].startswith(f"{method.upper()} {path} is not an endpoint"), error
-    for endpoint in ("POST /v1/prefill", "POST /v1/completions", "GET /v1/models", "GET /health", "GET /metrics"):
+    for endpoint in ("POST /v1/prefill", "POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health", "GET /metrics"):
         assert endpoint in error["message"], error
     assert "/admin/fault" not in error["message"], error  # off unless --fault-injection
-    r = _client(256, 512, fault_injection=True).post("/v1/chat/completions", json={})
+    r = _client(256, 512, fault_injection=True).post("/v1/embeddings", json={})
     assert "POST /admin/fault" in r.json()["error"]["message"], r.text
 
 

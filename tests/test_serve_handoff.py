@@ -29,19 +29,22 @@ class _Pool:
                            "padded_reason": ""}
         self.kv_dir, self.first, self.count = kv_dir, first, 0
         self.fail: Exception | None = None  # raised by submit (after the artifact is written)
+        self.banned: list[tuple[int, ...]] = []  # each prompt's banned first tokens (min_tokens)
 
     def snapshot(self) -> dict:
         return {"status": "ok", "mode": "dwdp", "workers": [], "in_flight": 0, "retried": 0, "failed": 0,
                 "redundancy": [], "tokens_per_s": 0.0}
 
-    async def submit(self, ids):
+    async def submit(self, ids, banned_first=()):
         self.count += 1
+        self.banned.append(tuple(banned_first))
+        first = self.first if self.first not in banned_first else max(banned_first) + 1  # the next best, say
         request_id = f"pf-{uuid.uuid4().hex}"
         path = self.kv_dir / f"{request_id}.safetensors"
         path.write_bytes(b"kv" * 8 * len(ids))
         if self.fail is not None:
             raise self.fail
-        return PrefillResult(request_id=request_id, rank=0, first_token_id=self.first, prompt_tokens=len(ids),
+        return PrefillResult(request_id=request_id, rank=0, first_token_id=first, prompt_tokens=len(ids),
                              queue_s=0.0, prefill_s=0.0, kv_write_s=0.0, batch_size=1, batch_tokens=len(ids),
                              prefetch_wait_s=0.0, kv={"path": str(path), "num_tokens": len(ids),
                                                       "prompt_sha256": prompt_digest(ids), "bytes": 16 * len(ids)})
@@ -219,8 +222,20 @@ def test_a_decode_server_refusal_keeps_its_status(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_max_tokens_beyond_the_context_is_cut_to_what_the_decode_server_holds_as_vllm_does(tmp_path):
+    decoder = _Decoder(max_model_len=14)
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5] * 10,
+                                                                  "max_tokens": 2000})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["token_ids"]) == 4, r.text
+    assert decoder.bodies[0]["max_tokens"] == 3 and len(decoder.bodies[0]["prompt"]) == 11, decoder.bodies
+    r = _client(tmp_path, decoder).post("/v1/completions", json={"model": MODEL, "prompt": [5] * 14, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert "14" in r.json()["error"]["message"] and len(decoder.bodies) == 1, r.text
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize("fields, status, param", [
-    ({"max_tokens": 2000}, 400, "max_tokens"), ({"min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
+    ({"min_tokens": 5, "max_tokens": 4}, 400, "min_tokens"),
     ({"max_tokens": 3, "max_completion_tokens": 4}, 400, "max_completion_tokens"), ({"temperature": 0.7}, 400,
                                                                                      "temperature")])
 def test_decoding_refuses_lengths_beyond_the_decode_server_naming_the_field(tmp_path, fields, status, param):

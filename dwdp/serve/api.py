@@ -33,7 +33,8 @@ from dwdp.serve.kv_budget import KVAdmission, KVBudget
 from dwdp.serve.kv_handoff import handoff_descriptor
 from dwdp.serve.kv_ledger import KVLedger
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
-from dwdp.serve.schemas import SAMPLING_NEUTRAL, CompletionRequest, FaultRequest, PrefillRequest
+from dwdp.serve.schemas import (SAMPLING_NEUTRAL, ChatCompletionRequest, CompletionRequest, FaultRequest,
+                                PrefillRequest)
 
 RETRY_AFTER_S = 1
 log = logging.getLogger("dwdp.serve")
@@ -104,6 +105,51 @@ def check_sampling(fields: dict) -> None:
         allowed = " or ".join(repr(v) for v in neutral)
         raise ServeError(400, "invalid_request_error", f"{name}={value!r}: this prefill server returns the greedy "
                          f"first token and does not sample; send {name} {allowed} or leave it out", param=name)
+
+
+MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+
+
+def check_stops(fields: dict) -> None:
+    """stop_token_ids: token ids; stop: a string or strings (at most MAX_STOP_STRINGS of MAX_STOP_CHARS)."""
+    stops = fields.get("stop_token_ids")
+    if stops is not None and not (isinstance(stops, list) and all(type(t) is int for t in stops)):
+        raise ServeError(400, "invalid_request_error", f"stop_token_ids={stops!r} must be a list of token ids",
+                         param="stop_token_ids")
+    stop = fields.get("stop")
+    if stop is None:
+        return
+    strings = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(strings, list) or not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in strings)
+            or len(strings) > MAX_STOP_STRINGS):
+        raise ServeError(400, "invalid_request_error", f"stop must be a string or a list of at most "
+                         f"{MAX_STOP_STRINGS} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                         param="stop")
+
+
+def client_request_id(request: Request) -> str | None:
+    """The client's X-Request-Id (vLLM's disaggregation proxies send one): kept for logs and the hand-off
+    descriptor when it is a short printable id, else ignored."""
+    value = request.headers.get("x-request-id")
+    if value is None or not 0 < len(value) <= 128 or not all(c.isalnum() or c in "-_.:" for c in value):
+        return None
+    return value
+
+
+def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
+    """The prompt's token ids: `messages` rendered with the tokenizer's chat template, then encoded without
+    added special tokens (the template writes them), as vLLM's chat endpoint builds its prompt."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ServeError(400, "invalid_request_error", "this server's tokenizer has no chat template: send "
+                         "/v1/completions with a prompt instead", param="messages")
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        text.encode("utf-8")
+        return tokenizer.encode(text, add_special_tokens=False)
+    except Exception as exc:
+        log.warning("the chat template could not render the messages: %s: %s", type(exc).__name__, exc)
+        raise ServeError(400, "invalid_request_error", "the messages cannot be rendered by this server's chat "
+                         "template", param="messages") from None
 
 
 def _endpoints(app: FastAPI, config) -> list[str]:
@@ -206,10 +252,10 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
                              "tokenizer", param=field) from None
         return check_ids(ids, field)
 
-    async def prefill(ids: list[int]):
+    async def prefill(ids: list[int], banned_first: tuple[int, ...] = ()):
         """(PrefillResult, ttft seconds) of one validated prompt."""
         arrival = time.monotonic()
-        result = await pool.submit(ids)
+        result = await pool.submit(ids, banned_first) if banned_first else await pool.submit(ids)
         ttft = time.monotonic() - arrival
         metrics.observe(result, ttft)
         if result.kv.get("path"):
@@ -240,22 +286,72 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
                 "kv_transfer_params": {"kv_artifacts": [handoff_descriptor(result.request_id, result.kv,
                                                                            config.model_name, front.kv_key)]}}
 
-    @app.post("/v1/completions")
-    async def v1_completions(body: CompletionRequest):
-        if body.model != config.model_name:
-            raise ServeError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
-                             f"{config.model_name!r}", param="model")
-        fields = body.model_extra or {}
+    async def served_names() -> tuple[str, ...]:
+        """The model names a request may ask for: the server's, its --served-model-name, the decode engine's."""
+        names = [config.model_name] + ([front.served_model_name] if front.served_model_name else [])
+        if decode is not None:
+            try:
+                names.append((await decode.served()).name)
+            except DecodeError:
+                pass  # answered below, when the decode server is needed
+        return tuple(dict.fromkeys(names))
+
+    async def answer(request: Request, model: str, prompts: list[list[int]], max_tokens: int | None, fields: dict,
+                     stream: bool, chat: bool):
+        """One validated completion or chat completion of `prompts`, whole or streamed."""
+        names = await served_names()
+        if model not in names:
+            raise ServeError(404, "model_not_found", f"model {model!r} is not served here; this server serves "
+                             f"{', '.join(repr(n) for n in names)}", param="model")
         check_sampling(fields)
-        limits = lengths(body.max_tokens, fields, decode is not None)
-        for name, value, allowed in (("echo", body.echo, False), ("n", body.n, 1), ("logprobs", body.logprobs, None)):
-            if value != allowed:
+        params = fields.get("kv_transfer_params")
+        # vLLM's disaggregated prefill: the client's proxy sends the decode instance this answer's KV itself.
+        remote_decode = isinstance(params, dict) and params.get("do_remote_decode") is True
+        decoding = decode is not None and not remote_decode
+        limits = lengths(max_tokens if not remote_decode else 1, fields, decoding)
+        check_stops(fields)
+        caps = [limits.max_tokens] * len(prompts)
+        if decoding:
+            try:
+                served = await decode.served()
+            except DecodeError as exc:
+                raise ServeError(exc.status, "decode_unavailable", str(exc), retry_after=RETRY_AFTER_S) from None
+            if served.max_model_len is not None:  # vLLM's rule: max_tokens cut to what the context holds
+                for i, ids in enumerate(prompts):
+                    if len(ids) >= served.max_model_len:
+                        raise ServeError(400, "context_length_exceeded", f"Input length ({len(ids)}) leaves no room "
+                                         f"for an output in the decode server's maximum context length "
+                                         f"({served.max_model_len})", param="prompt")
+                    caps[i] = min(caps[i], served.max_model_len - len(ids))
+        stop_ids = set(fields.get("stop_token_ids") or ()) | (set() if limits.ignore_eos else set(eos_ids))
+        banned = tuple(sorted(stop_ids)) if limits.min_tokens >= 1 else ()
+        client_id = client_request_id(request)
+        with admission.admit(len(prompts), sum(len(ids) for ids in prompts)):
+            answers = await asyncio.gather(*(prefill(ids, banned) for ids in prompts))
+        if client_id is not None:
+            log.info("request %s: prefilled as %s", client_id, ", ".join(r.request_id for r, _ in answers))
+        choices = [Choice(i, ids, result, timing(result, ttft), caps[i]) for i, (ids, (result, ttft))
+                   in enumerate(zip(prompts, answers))]
+        completion = Completion(choices, limits, fields, model, answers[0][0].request_id.removeprefix("pf-"),
+                                tokenizer, decode if decoding else None, eos_ids, ledger if decoding else None,
+                                metrics, front.kv_key, chat=chat, client_request_id=client_id,
+                                artifact_model=config.model_name)
+        if stream:
+            return StreamingResponse(completion.events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await completion.whole()
+
+    def check_unsupported(body) -> None:
+        for name, value, allowed in (("echo", getattr(body, "echo", False), False), ("n", body.n, 1),
+                                     ("logprobs", body.logprobs, (None, False))):
+            if value not in (allowed if isinstance(allowed, tuple) else (allowed,)):
                 raise ServeError(400, "invalid_request_error", f"{name}={value!r} is not supported by this "
                                  f"server (only {allowed!r})", param=name)
-        stops = fields.get("stop_token_ids")
-        if stops is not None and not (isinstance(stops, list) and all(type(t) is int for t in stops)):
-            raise ServeError(400, "invalid_request_error", f"stop_token_ids={stops!r} must be a list of token ids",
-                             param="stop_token_ids")
+
+    @app.post("/v1/completions")
+    async def v1_completions(body: CompletionRequest, request: Request):
+        fields = body.model_extra or {}
+        check_unsupported(body)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and (
                 len(prompt) > front.max_prompts_per_request):
@@ -271,32 +367,22 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
         else:
             prompts = [tokenize(p, f"prompt.{i}") if isinstance(p, str) else check_ids(p, f"prompt.{i}")
                        for i, p in enumerate(prompt)]
-        if decode is not None:
-            try:
-                served = await decode.served()
-            except DecodeError as exc:
-                raise ServeError(exc.status, "decode_unavailable", str(exc), retry_after=RETRY_AFTER_S) from None
-            longest = max(len(p) for p in prompts)
-            if served.max_model_len is not None and longest + limits.max_tokens > served.max_model_len:
-                raise ServeError(400, "context_length_exceeded", f"a prompt of {longest} tokens and max_tokens="
-                                 f"{limits.max_tokens} exceed the decode server's max_model_len="
-                                 f"{served.max_model_len}", param="max_tokens")
-        with admission.admit(len(prompts), sum(len(ids) for ids in prompts)):
-            answers = await asyncio.gather(*(prefill(ids) for ids in prompts))
-        choices = [Choice(i, ids, result, timing(result, ttft)) for i, (ids, (result, ttft))
-                   in enumerate(zip(prompts, answers))]
-        completion = Completion(choices, limits, fields, config.model_name,
-                                f"cmpl-{answers[0][0].request_id.removeprefix('pf-')}", tokenizer, decode, eos_ids,
-                                ledger if decode is not None else None, metrics, front.kv_key)
-        if body.stream:
-            return StreamingResponse(completion.events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
-        return await completion.whole()
+        return await answer(request, body.model, prompts, body.max_tokens, fields, body.stream, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
+        fields = body.model_extra or {}
+        check_unsupported(body)
+        ids = chat_prompt(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+                          body.add_generation_prompt)
+        return await answer(request, body.model, [check_ids(ids, "messages")], body.max_tokens, fields, body.stream,
+                            chat=True)
 
     @app.get("/v1/models")
     async def v1_models():
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "dwdp"}]}
+        names = [config.model_name] + ([front.served_model_name] if front.served_model_name else [])
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "dwdp"}
+                                           for name in dict.fromkeys(names)]}
 
     @app.get("/health")
     async def health():

@@ -39,7 +39,8 @@ import torch.distributed as dist
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import latent_layout
 from dwdp.serve.packcheck import worker_forwards
-from dwdp.serve.protocol import STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady
+from dwdp.serve.protocol import (STOP, BatchStarted, PrefillError, PrefillJob, WorkerFailed, WorkerHealth, WorkerReady,
+                                 greedy_first)
 from dwdp.serve.prefill import InProgress
 from dwdp.serve.scheduling import take_forward, take_pieces
 from dwdp.serve.worker import ForwardGaps, answer_forward, model_info, pad_left, run_packed, worker_info
@@ -148,7 +149,7 @@ def run_dep_step(model, batch: list, rank: int, kv_dir: str, model_name: str, re
         out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                     use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1]                                               # [P, V]
-    first = logits.argmax(-1).tolist()
+    first = [greedy_first(row, job.banned_first) for row, job in zip(logits, batch)]
     ended = time.monotonic()
     if gaps is not None:
         gaps.end(ended)

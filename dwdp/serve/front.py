@@ -27,6 +27,8 @@ class FrontConfig:
     kv_min_free_bytes: free bytes the KV directory's file system keeps (None: 5% of it, at most 1 GiB;
         less: 503).
     max_prompts_per_request: prompts one completion request may carry (more: 400).
+    served_model_name: another name clients may ask for (`--served-model-name`); the decode engine's served
+        name is taken too.
     """
 
     decode_url: str | None = None
@@ -39,6 +41,7 @@ class FrontConfig:
     kv_max_pending_bytes: int | None = None
     kv_min_free_bytes: int | None = None
     max_prompts_per_request: int = 64
+    served_model_name: str | None = None
 
     def __post_init__(self):
         if self.decode_url is not None:

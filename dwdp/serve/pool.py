@@ -240,11 +240,12 @@ class WorkerPool:
             q.close()
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, input_ids: list[int]) -> asyncio.Future:
+    def submit(self, input_ids: list[int], banned_first: tuple[int, ...] = ()) -> asyncio.Future:
         """Admit one validated prompt and return a future of its PrefillResult (or ServeError).
-        Raises ServeError 429 when every queue is full and 503 when no worker can take it."""
+        banned_first: token ids the first token may not be (min_tokens). Raises ServeError 429 when every
+        queue is full and 503 when no worker can take it."""
         loop = asyncio.get_running_loop()
-        job = PrefillJob(f"pf-{uuid.uuid4().hex}", tuple(input_ids), time.monotonic())
+        job = PrefillJob(f"pf-{uuid.uuid4().hex}", tuple(input_ids), time.monotonic(), tuple(banned_first))
         req = _Request(job, loop.create_future(), loop)
         with self._lock:
             if self._is_draining:

@@ -20,7 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from dwdp.serve.packed import Piece, attention_masks, pack
-from dwdp.serve.protocol import PrefillJob
+from dwdp.serve.protocol import PrefillJob, greedy_first
 from dwdp.serve.varlen import PackedLayout, piecewise
 
 
@@ -108,5 +108,5 @@ def advance(model, plan: list[tuple[InProgress, int]]) -> list[tuple[InProgress,
         state.done += n
         state.chunks.append(n)
         if state.is_finished:
-            finished.append((state, int(row.argmax()), row))
+            finished.append((state, greedy_first(row, state.job.banned_first), row))
     return finished

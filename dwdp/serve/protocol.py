@@ -20,6 +20,16 @@ class PrefillJob:
     request_id: str
     input_ids: tuple[int, ...]  # [T] prompt token ids, already validated by the router
     enqueued: float             # time.monotonic() when the router queued it (CLOCK_MONOTONIC on Linux)
+    banned_first: tuple[int, ...] = ()  # token ids the first token may not be (min_tokens: end and stop tokens)
+
+
+def greedy_first(logits, banned: tuple[int, ...] = ()) -> int:
+    """The greedy first token of last-position logits [V], never one of `banned` (vLLM's min_tokens masks the
+    end and stop tokens' logits to -inf)."""
+    if banned:
+        logits = logits.clone()
+        logits[list(banned)] = float("-inf")
+    return int(logits.argmax())
 
 
 @dataclass(frozen=True)

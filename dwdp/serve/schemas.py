@@ -2,7 +2,7 @@
 prompt) happen in dwdp.serve.api."""
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 
 class PrefillRequest(BaseModel):
@@ -35,6 +35,30 @@ class CompletionRequest(BaseModel):
     echo: StrictBool = False
     n: StrictInt = 1
     logprobs: StrictInt | None = None
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat: its role and its text (a string, or text parts)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: StrictStr
+    content: StrictStr | list[dict] | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """POST /v1/chat/completions: the messages rendered with the tokenizer's chat template into one prompt,
+    then answered as a completion is (the same fields, the chat answer's shape)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: StrictStr
+    messages: list[ChatMessage] = Field(min_length=1, max_length=1024)
+    max_tokens: StrictInt | None = None
+    stream: StrictBool = False
+    n: StrictInt = 1
+    logprobs: StrictBool | None = None
+    add_generation_prompt: StrictBool = True
 
 
 # Sampling fields of the OpenAI completions API (and vLLM's extensions) -> the values under which

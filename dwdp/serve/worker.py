@@ -33,8 +33,8 @@ from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import artifact_metadata, latent_layout, request_cache, to_host, write_kv_artifact
 from dwdp.serve.packcheck import worker_forwards
 from dwdp.serve.prefill import InProgress, advance
-from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult, WorkerFailed,
-                       WorkerHealth, WorkerReady)
+from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
+                                 WorkerFailed, WorkerHealth, WorkerReady, greedy_first)
 from dwdp.serve.scheduling import take_forward, take_pieces
 
 log = logging.getLogger("dwdp")
@@ -166,7 +166,7 @@ def run_batch(model, batch: list[PrefillJob], rank: int, kv_dir: str, model_name
         with torch.inference_mode():
             out = model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
                         use_cache=True, logits_to_keep=1)
-        first = out.logits[:, -1].argmax(-1).tolist()  # [P] greedy first tokens from logits [P, 1, V]
+        first = [greedy_first(row, job.banned_first) for row, job in zip(out.logits[:, -1], batch)]  # [P] of [P, V]
     except RankDegraded as exc:  # lost experts or device: another rank can still serve these prompts
         for job in batch:
             results.put(PrefillError(job.request_id, rank, "rank_degraded", str(exc), retryable=True))
