@@ -9,7 +9,7 @@ only latent vLLM's CPU MLA kernel takes; 128 nope and value dims, q_lora_rank 15
 layer and a MoE second one. Both with a vocabulary
 of 512 and 4096 positions, saved in the checkpoint layout transformers and vLLM read (one tensor per
 expert), with a word-level tokenizer over "w4" .. "w511" (ids 0-3: [PAD], [BOS], [EOS], [UNK]) so
-every id decodes. Nothing is downloaded. `dwdp serve --model DIR` names the model after the directory.
+every id decodes, and a chat template in those words. Nothing is downloaded. `dwdp serve --model DIR` names the model after the directory.
 """
 from __future__ import annotations
 
@@ -29,6 +29,13 @@ FAMILIES = {
 }
 
 
+# Chat in words of the vocabulary: [BOS], then each message as its role's word (w4 system, w5 user, w6
+# assistant), its text and w7; the generation prompt is w6 (the assistant's turn).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}w4{% elif m['role'] == 'user' %}w5"
+    "{% else %}w6{% endif %} {{ m['content'] }} w7 {% endfor %}{% if add_generation_prompt %}w6{% endif %}")
+
+
 def save_tokenizer(path: str, vocab_size: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -38,7 +45,7 @@ def save_tokenizer(path: str, vocab_size: int) -> None:
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.WordPiece()  # words joined by spaces
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", bos_token="[BOS]",
-                            eos_token="[EOS]").save_pretrained(path)
+                            eos_token="[EOS]", chat_template=CHAT_TEMPLATE).save_pretrained(path)
 
 
 def save_tiny_checkpoint(path: str, family: str = "qwen3_moe", seed: int = 0,

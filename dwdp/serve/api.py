@@ -33,7 +33,8 @@ from dwdp.serve.kv_budget import KVAdmission, KVBudget
 from dwdp.serve.kv_handoff import handoff_descriptor
 from dwdp.serve.kv_ledger import KVLedger
 from dwdp.serve.metrics import CONTENT_TYPE, ServeMetrics
-from dwdp.serve.schemas import (SAMPLING_NEUTRAL, ChatCompletionRequest, CompletionRequest, FaultRequest,
+from dwdp.serve.schemas import (CHAT_UNSUPPORTED_NEUTRAL, COMPLETION_UNSUPPORTED_NEUTRAL, SAMPLING_NEUTRAL,
+                               UNSUPPORTED_NEUTRAL, ChatCompletionRequest, CompletionRequest, FaultRequest,
                                 PrefillRequest)
 
 RETRY_AFTER_S = 1
@@ -107,6 +108,25 @@ def check_sampling(fields: dict) -> None:
                          f"first token and does not sample; send {name} {allowed} or leave it out", param=name)
 
 
+def check_unsupported_fields(fields: dict, chat: bool) -> None:
+    """ServeError naming the first field that would change the answer in a way this server does not do
+    (structured output, tools, logprobs, ...), at any value but the one that changes nothing."""
+    table = {**UNSUPPORTED_NEUTRAL, **(CHAT_UNSUPPORTED_NEUTRAL if chat else COMPLETION_UNSUPPORTED_NEUTRAL)}
+    for name, neutral in table.items():
+        value = fields.get(name)
+        if value is None or any(type(value) is type(v) and value == v for v in neutral):
+            continue
+        allowed = f"send {' or '.join(repr(v) for v in neutral)} or leave it out" if neutral else "leave it out"
+        raise ServeError(400, "invalid_request_error", f"{name}={_short(value)}: this server does not do what "
+                         f"{name} asks, and would answer differently from a server that does; {allowed}",
+                         param=name)
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
 
 
@@ -127,6 +147,17 @@ def check_stops(fields: dict) -> None:
                          param="stop")
 
 
+TEXT_FLAGS = ("skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output")
+
+
+def check_text_flags(fields: dict) -> None:
+    """The detokenizer's switches (vLLM's names) are true or false, never a string that reads as true."""
+    for name in TEXT_FLAGS:
+        value = fields.get(name)
+        if value is not None and not isinstance(value, bool):
+            raise ServeError(400, "invalid_request_error", f"{name}={value!r} must be true or false", param=name)
+
+
 def client_request_id(request: Request) -> str | None:
     """The client's X-Request-Id (vLLM's disaggregation proxies send one): kept for logs and the hand-off
     descriptor when it is a short printable id, else ignored."""
@@ -134,6 +165,22 @@ def client_request_id(request: Request) -> str | None:
     if value is None or not 0 < len(value) <= 128 or not all(c.isalnum() or c in "-_.:" for c in value):
         return None
     return value
+
+
+def chat_message(message, index: int) -> dict:
+    """One message as chat templates take it: text parts joined by newlines (vLLM's "string" content
+    format); a part that is not text is refused naming it."""
+    out = message.model_dump(exclude_none=True)
+    if isinstance(message.content, list):
+        texts = []
+        for j, part in enumerate(message.content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ServeError(400, "invalid_request_error", f"messages.{index}.content.{j} is a "
+                                 f"{str(part.get('type'))[:40]!r} part; this server takes text parts only",
+                                 param=f"messages.{index}.content")
+            texts.append(part["text"])
+        out["content"] = "\n".join(texts)
+    return out
 
 
 def chat_prompt(tokenizer, messages: list[dict], add_generation_prompt: bool) -> list[int]:
@@ -304,12 +351,14 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
             raise ServeError(404, "model_not_found", f"model {model!r} is not served here; this server serves "
                              f"{', '.join(repr(n) for n in names)}", param="model")
         check_sampling(fields)
+        check_unsupported_fields(fields, chat)
         params = fields.get("kv_transfer_params")
         # vLLM's disaggregated prefill: the client's proxy sends the decode instance this answer's KV itself.
         remote_decode = isinstance(params, dict) and params.get("do_remote_decode") is True
         decoding = decode is not None and not remote_decode
         limits = lengths(max_tokens if not remote_decode else 1, fields, decoding)
         check_stops(fields)
+        check_text_flags(fields)
         caps = [limits.max_tokens] * len(prompts)
         if decoding:
             try:
@@ -373,7 +422,7 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
     async def v1_chat_completions(body: ChatCompletionRequest, request: Request):
         fields = body.model_extra or {}
         check_unsupported(body)
-        ids = chat_prompt(tokenizer, [m.model_dump(exclude_none=True) for m in body.messages],
+        ids = chat_prompt(tokenizer, [chat_message(m, i) for i, m in enumerate(body.messages)],
                           body.add_generation_prompt)
         return await answer(request, body.model, [check_ids(ids, "messages")], body.max_tokens, fields, body.stream,
                             chat=True)

@@ -101,9 +101,9 @@ class Piece:
 
 def _output(tokenizer, prompt: list[int], limits: Lengths, fields: dict) -> OutputText:
     return OutputText(tokenizer, prompt, stop=fields.get("stop"), min_tokens=limits.min_tokens,
-                      include_stop_str_in_output=bool(fields.get("include_stop_str_in_output", False)),
-                      skip_special_tokens=bool(fields.get("skip_special_tokens", True)),
-                      spaces_between_special_tokens=bool(fields.get("spaces_between_special_tokens", True)))
+                      include_stop_str_in_output=fields.get("include_stop_str_in_output") is True,
+                      skip_special_tokens=fields.get("skip_special_tokens") is not False,
+                      spaces_between_special_tokens=fields.get("spaces_between_special_tokens") is not False)
 
 
 class Completion:

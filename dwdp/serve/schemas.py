@@ -69,6 +69,22 @@ SAMPLING_NEUTRAL = {
 }
 
 
+# Fields of vLLM's completions and chat APIs that would change the answer and that this server does not do
+# -> the values under which they change nothing (null is always accepted); any other value is refused with
+# 400 naming the field, never answered differently. chat: the chat endpoint's own.
+UNSUPPORTED_NEUTRAL = {
+    "response_format": ({"type": "text"},), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "structured_outputs": (), "bad_words": ([],), "allowed_token_ids": (),
+    "logits_processors": (), "prompt_logprobs": (), "top_logprobs": (0,), "truncate_prompt_tokens": (),
+    "suffix": ("",), "return_tokens_as_token_ids": (False,), "vllm_xargs": (),
+}
+CHAT_UNSUPPORTED_NEUTRAL = {
+    "tools": ([],), "tool_choice": ("none", "auto"), "chat_template": (), "chat_template_kwargs": ({},),
+    "continue_final_message": (False,), "documents": (), "echo": (False,), "add_special_tokens": (False,),
+}
+COMPLETION_UNSUPPORTED_NEUTRAL = {"add_special_tokens": (True,)}
+
+
 class FaultRequest(BaseModel):
     """POST /admin/fault: make `rank`'s memory unreadable (every copy from it fails; it serves nothing)."""
 
