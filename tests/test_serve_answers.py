@@ -266,3 +266,25 @@ def test_the_served_model_name_and_the_decode_engines_name_are_both_accepted(tmp
     assert r.status_code == 404 and "'mixtral-pair'" in r.json()["error"]["message"], r.text
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "mixtral-pair"]
     assert DECODED[0] == 101  # the stand-in's continuation the other tests read
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("value", [[-1], [512], [2**40], "2", [True], list(range(1025))])
+def test_stop_token_ids_outside_the_vocabulary_are_refused_naming_the_field(tmp_path, value):
+    c = client(tmp_path, Decoder())
+    r = _post(c, {"prompt": [5], "max_tokens": 3, "min_tokens": 1, "stop_token_ids": value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop_token_ids", r.text
+    assert "[0, 512)" in r.json()["error"]["message"] and len(r.text) < 1000 and c.pool.count == 0, r.text
+
+
+def test_the_greedy_first_token_passes_over_banned_ones_and_ignores_ids_outside_the_logits():
+    import torch
+
+    from dwdp.serve.protocol import greedy_first
+
+    logits = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    order = logits.argsort(descending=True).tolist()
+    assert greedy_first(logits) == order[0]
+    assert greedy_first(logits, (order[0], order[1])) == order[2]
+    assert greedy_first(logits, (-64 + order[0], 64 + order[0])) == order[0]  # a negative id must not wrap
+    assert logits.argmax().item() == order[0], "the caller's logits were changed"

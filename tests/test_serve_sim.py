@@ -115,3 +115,76 @@ def test_line_service_runs_the_measured_lines():
     assert service.forward_s([100, 50]) == pytest.approx(0.01 + 1e-3 * 150)
     assert service.step_s([[100], [], [300, 10]]) == pytest.approx(0.02 + 5e-4 * 310)
     assert service.outside_s("dwdp", [[100]]) == pytest.approx(0.02) and service.outside_s("dep", [[100]]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def analytic():
+    """DeepSeek-R1 on GB200-NVL72 (the defaults), group 4, its analytic services and cost model parts."""
+    from dwdp.predict import costmodel as cm
+    from dwdp.predict.serve_sim import analytic_service
+    from dwdp.predict.simulate import SimConfig, simulate
+
+    cfg = SimConfig(iterations=20, seed=3)
+    spec, hw, cal = cm.load_model(cfg.model), cm.load_hardware(cfg.hardware), cm.load_calibration()
+    return {"cfg": cfg, "spec": spec, "hw": hw, "cal": cal, "stretch": simulate(cfg, cal).stretch,
+            "padded": analytic_service(cfg), "packed": analytic_service(cfg, packed=True)}
+
+
+def _shape(per_rank: list[list[int]], windows):
+    """A forward's shape by hand: [1, G] tokens, and per window the causal pairs of each piece summed."""
+    import numpy as np
+
+    from dwdp.predict import costmodel as cm
+
+    tokens = np.array([[float(sum(p)) for p in per_rank]])
+    pairs = {w: np.array([[sum(float(np.sum(cm.causal_pairs(np.array([n]), w))) for n in p) for p in per_rank]])
+             for w in windows}
+    return cm.ForwardShape(tokens, pairs, {w: tokens.copy() for w in windows})
+
+
+@pytest.mark.timeout(120)
+def test_the_analytic_service_is_the_cost_models_forward_step_and_outside_by_hand(analytic):
+    """Forwards: simulate_dwdp of the forward's own shape (padded: P x Tmax; packed: the pieces as they are)
+    at the simulated copy stretch; steps: simulate_dep of every rank's shape; both modes pay, after each
+    forward or step, the calibration's host and other time and the KV hand-off of the busiest rank's real
+    tokens at the copy engines' rate, (kv_lora_rank + rope dims) x layers x 2 bytes a token for MLA."""
+    import numpy as np
+
+    from dwdp.predict.simulate import simulate_dep, simulate_dwdp
+
+    spec, hw, cal, cfg = analytic["spec"], analytic["hw"], analytic["cal"], analytic["cfg"]
+    windows = sorted(set(spec.window), key=lambda w: -1 if w is None else w)
+    for kind, padded_as in (("padded", [[3000, 3000]]), ("packed", [[3000, 1200]])):
+        got = analytic[kind].forward_s([3000, 1200])
+        _, rank_time, _ = simulate_dwdp(spec, hw, cfg.deployment, cal, _shape(padded_as, windows), analytic["stretch"])
+        assert got == pytest.approx(float(rank_time[0, 0]), rel=1e-12), kind
+    per_rank = [[2000], [], [500, 700], [4000]]
+    fresh = np.random.default_rng(cfg.seed)  # the service's own generator, first drawn here too
+    _, step = simulate_dep(spec, hw, cfg.deployment, cal, _shape([[2000], [], [700, 700], [4000]], windows), fresh)
+    assert analytic["padded"].step_s(per_rank) == pytest.approx(float(step[0]), rel=1e-12)
+    kv_s = (spec.mla.kv_lora_rank + spec.mla.qk_rope_head_dim) * spec.num_layers * 2 / hw.copy_bytes_per_s
+    assert kv_s > 0 and cal.outside_host_s + cal.outside_other_s > 0
+    for mode in ("dwdp", "dep"):
+        assert analytic["packed"].outside_s(mode, per_rank) == pytest.approx(
+            cal.outside_host_s + cal.outside_other_s + 4000 * kv_s, rel=1e-12), mode
+        assert analytic["packed"].handoff_s(mode, [500, 700]) == pytest.approx(1200 * kv_s, rel=1e-12), mode
+
+
+@pytest.mark.timeout(120)
+def test_a_dep_step_holds_the_group_for_its_time_outside_before_the_next(analytic):
+    """Two prompts a microsecond apart on DEP: the second waits for the first step and the time outside it,
+    then is answered after its own step and its hand-off."""
+    steps = []  # a DEP step's time draws on the routing's randomness: keep what each step took
+
+    def step_s(per_rank):
+        steps.append(analytic["packed"].step_s(per_rank))
+        return steps[-1]
+
+    service = dataclasses.replace(analytic["packed"], step_s=step_s)
+    n = 2000
+    (_, end1), (_, end2) = sorted(simulate_dep_serving([(0.0, n), (1e-6, n)], 4, 8192, service))
+    assert len(steps) == 2 and min(steps) > 0, steps
+    handoff, outside = service.handoff_s("dep", [n]), service.outside_s("dep", [[n]])
+    assert handoff > 0 and outside > handoff
+    assert end1 == pytest.approx(steps[0] + handoff, rel=1e-9)
+    assert end2 == pytest.approx(steps[0] + outside + steps[1] + handoff, rel=1e-9), (end1, end2, steps)

@@ -127,15 +127,17 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-MAX_STOP_STRINGS, MAX_STOP_CHARS = 64, 1024
+MAX_STOP_STRINGS, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS = 64, 1024, 1024
 
 
-def check_stops(fields: dict) -> None:
-    """stop_token_ids: token ids; stop: a string or strings (at most MAX_STOP_STRINGS of MAX_STOP_CHARS)."""
+def check_stops(fields: dict, vocab: int) -> None:
+    """stop_token_ids: at most MAX_STOP_TOKEN_IDS ids of the vocabulary [0, vocab); stop: a string or strings
+    (at most MAX_STOP_STRINGS of MAX_STOP_CHARS)."""
     stops = fields.get("stop_token_ids")
-    if stops is not None and not (isinstance(stops, list) and all(type(t) is int for t in stops)):
-        raise ServeError(400, "invalid_request_error", f"stop_token_ids={stops!r} must be a list of token ids",
-                         param="stop_token_ids")
+    if stops is not None and not (isinstance(stops, list) and len(stops) <= MAX_STOP_TOKEN_IDS
+                                  and all(type(t) is int and 0 <= t < vocab for t in stops)):
+        raise ServeError(400, "invalid_request_error", f"stop_token_ids={_short(stops)} must be a list of at most "
+                         f"{MAX_STOP_TOKEN_IDS} token ids of the vocabulary [0, {vocab})", param="stop_token_ids")
     stop = fields.get("stop")
     if stop is None:
         return
@@ -357,7 +359,7 @@ def create_app(pool, config, tokenizer=None, front: FrontConfig | None = None, l
         remote_decode = isinstance(params, dict) and params.get("do_remote_decode") is True
         decoding = decode is not None and not remote_decode
         limits = lengths(max_tokens if not remote_decode else 1, fields, decoding)
-        check_stops(fields)
+        check_stops(fields, vocab)
         check_text_flags(fields)
         caps = [limits.max_tokens] * len(prompts)
         if decoding:

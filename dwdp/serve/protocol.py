@@ -26,9 +26,10 @@ class PrefillJob:
 def greedy_first(logits, banned: tuple[int, ...] = ()) -> int:
     """The greedy first token of last-position logits [V], never one of `banned` (vLLM's min_tokens masks the
     end and stop tokens' logits to -inf)."""
+    banned = [t for t in banned if 0 <= t < logits.shape[-1]]  # the router checked them; a worker stays safe
     if banned:
         logits = logits.clone()
-        logits[list(banned)] = float("-inf")
+        logits[banned] = float("-inf")
     return int(logits.argmax())
 
 
