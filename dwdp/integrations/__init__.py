@@ -18,3 +18,31 @@ VLLM_KV_TRANSFER_CONFIG = {"kv_connector": "DWDPConnector",
 def vllm_kv_transfer_config(kv_dir: str) -> dict:
     """VLLM_KV_TRANSFER_CONFIG reading artifacts from `kv_dir` (the directory `dwdp serve --kv-dir` writes)."""
     return {**VLLM_KV_TRANSFER_CONFIG, "kv_connector_extra_config": {"kv_dir": str(kv_dir)}}
+
+
+# vLLM's CPU build reserves one more core per rank for the CPU work of any KV connector (its comment: for
+# NIXL's transfers) on top of the one it keeps for its scheduler, and when that leaves its worker no core it
+# binds the worker's OpenMP threads to every core instead, beside the scheduler's busy loop. dwdp's
+# connector does its reads inside the worker's forward and needs no core of its own: vllm_cpu_env() keeps
+# the reservation vLLM alone makes (one core per rank on x86 and ARM).
+RESERVED_CPU_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def vllm_cpu_env(local_ranks: int = 1) -> dict[str, str]:
+    """The environment of a vLLM CPU server with dwdp's connector and `local_ranks` ranks on its host (its
+    tensor x pipeline parallel size there): the cores vLLM alone would reserve."""
+    if type(local_ranks) is not int or local_ranks < 1:
+        raise ValueError(f"local_ranks={local_ranks!r} must be an integer >= 1")
+    return {RESERVED_CPU_VARIABLE: str(local_ranks)}
+
+
+def reserved_cpu_advice(environ, on_cpu: bool, local_ranks: int) -> str | None:
+    """What to tell a vLLM CPU server that runs dwdp's connector with vLLM's doubled core reservation (None
+    when it runs on GPUs or the reservation is set)."""
+    if not on_cpu or RESERVED_CPU_VARIABLE in environ:
+        return None
+    return (f"vLLM's CPU build reserves {local_ranks} more core(s) for a KV connector's own work; dwdp's "
+            f"connector needs none (on a small machine the doubled reservation leaves the worker's threads "
+            f"sharing cores with the scheduler's busy loop, several times slower); start vLLM with "
+            f"{RESERVED_CPU_VARIABLE}={local_ranks} to keep the cores vLLM alone keeps")
+

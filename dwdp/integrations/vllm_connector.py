@@ -47,6 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.logger import init_logger
 
+from dwdp.integrations import reserved_cpu_advice
 from dwdp.integrations.guard import answer as _answer
 from dwdp.integrations.guard import guarded_by, one_line
 from dwdp.integrations.kv_transfer import ArtifactRef, EngineKV, FileTransfer, Refused
@@ -65,6 +66,12 @@ if TYPE_CHECKING:
 
 # Under vLLM's logger tree, so its lines come out formatted like vLLM's own.
 logger = init_logger("vllm.dwdp_connector")
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 never_raises = guarded_by(logger)
 
 
@@ -144,6 +151,9 @@ class DWDPConnector(KVConnectorBase_V1):
         self._transfer = FileTransfer(kv_dir, kv_key())
         self._keep = bool(extra.get("keep_artifacts", False))
         if role == KVConnectorRole.SCHEDULER:
+            advice = reserved_cpu_advice(os.environ, _on_cpu(), vllm_config.parallel_config.local_world_size)
+            if advice is not None:
+                logger.warning("dwdp connector: %s", advice)
             model = extra.get("model") or os.path.basename(str(vllm_config.model_config.model).rstrip("/"))
             self._expected = engine_kv(vllm_config, model)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":

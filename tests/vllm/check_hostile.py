@@ -41,7 +41,7 @@ def fault_dir(tmp_path_factory) -> Path:
 def hostile_vllm(checkpoint, kv_dir, fault_dir, tmp_path_factory):
     connector = {**FAULTY_CONNECTOR, "kv_connector_extra_config": {"kv_dir": str(kv_dir), "fault_dir": str(fault_dir)}}
     server = start_vllm(checkpoint, tmp_path_factory.mktemp("logs"), BLOCK_SIZE, kv_dir, key=None,
-                        prefix_caching=True, connector=connector)
+                        prefix_caching=True, connector=connector, cpu_env=False)  # vLLM's default reservation
     yield server
     server.stop()
 
@@ -317,3 +317,10 @@ def test_the_pair_still_answers_as_vllm_alone(hostile_vllm, hostile_dwdp):
                    timeout=300)
     assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want, r.text
     assert r.json()["choices"][0]["decode"] == {"prompt_tokens_loaded": len(ids)}, r.json()["choices"][0]
+
+
+@pytest.mark.timeout(600)
+def test_without_the_reservation_setting_the_connector_says_how_to_keep_vllm_alones_cores(hostile_vllm):
+    advice = [line for line in hostile_vllm.output().splitlines() if "VLLM_CPU_NUM_OF_RESERVED_CPU=1" in line]
+    assert len(advice) == 1 and "dwdp connector" in advice[0], advice
+

@@ -216,3 +216,12 @@ def test_with_the_kv_key_a_descriptor_dwdp_did_not_sign_is_recomputed(vllm_serve
     got = vllm_alone(vllm_server, ids, 6, kv_transfer_params=r["kv_transfer_params"])
     assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) - 1, got["usage"]
     assert got["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+
+
+@pytest.mark.timeout(600)
+def test_vllm_with_the_connector_keeps_the_cores_vllm_alone_keeps(vllm_server, dwdp_server):
+    """Started with dwdp.integrations.vllm_cpu_env(): vLLM's CPU build reserves one core for its scheduler
+    (not two, its default with a KV connector) and the connector has no advice to give."""
+    log = vllm_server.output()
+    assert re.search(r"reserve_cpu_num=1\b", log), [line for line in log.splitlines() if "reserve" in line]
+    assert "dwdp connector: vLLM's CPU build reserves" not in log, "the connector advised a reservation it has"

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dwdp.integrations import vllm_kv_transfer_config
+from dwdp.integrations import vllm_cpu_env, vllm_kv_transfer_config
 from dwdp.serve.launch import HttpServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -82,11 +82,12 @@ def kv_dir(request, tmp_path_factory) -> Path:
 
 
 def start_vllm(checkpoint: Path, logs: Path, block_size: int, kv_dir: Path, key: str | None = KV_KEY,
-               prefix_caching: bool = False, connector: dict | None = None) -> HttpServerProcess:
+               prefix_caching: bool = False, connector: dict | None = None, cpu_env: bool = True) -> HttpServerProcess:
     """vLLM's OpenAI server on `checkpoint`, with dwdp's connector reading `kv_dir` and the KV key `key`
     (None: none). Prefix caching off unless asked for, so a prompt is either computed or loaded from
     dwdp's KV, never found in vLLM's own cache. connector: fields that replace the connector's (a test's
-    faulty one, loaded from this directory)."""
+    faulty one, loaded from this directory). cpu_env: the core reservation of vLLM alone
+    (dwdp.integrations.vllm_cpu_env), as the docs start it; without it, vLLM's own default for connectors."""
     import json
 
     config = {**vllm_kv_transfer_config(str(kv_dir)), **(connector or {})}
@@ -94,7 +95,7 @@ def start_vllm(checkpoint: Path, logs: Path, block_size: int, kv_dir: Path, key:
            "--served-model-name", VLLM_MODEL, "--dtype", "float32", "--enforce-eager", "--max-model-len",
            str(MAX_MODEL_LEN), "--block-size", str(block_size), "--enable-prompt-tokens-details",
            "--kv-transfer-config", json.dumps(config)] + ([] if prefix_caching else ["--no-enable-prefix-caching"])
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "DWDP_KV_KEY": key or ""}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "DWDP_KV_KEY": key or "", **(vllm_cpu_env() if cpu_env else {})}
     if connector:
         env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     port = free_port()
