@@ -20,11 +20,11 @@ def vllm_kv_transfer_config(kv_dir: str) -> dict:
     return {**VLLM_KV_TRANSFER_CONFIG, "kv_connector_extra_config": {"kv_dir": str(kv_dir)}}
 
 
-# vLLM's CPU build reserves one more core per rank for the CPU work of any KV connector (its comment: for
-# NIXL's transfers) on top of the one it keeps for its scheduler, and when that leaves its worker no core it
-# binds the worker's OpenMP threads to every core instead, beside the scheduler's busy loop. dwdp's
-# connector does its reads inside the worker's forward and needs no core of its own: vllm_cpu_env() keeps
-# the reservation vLLM alone makes (one core per rank on x86 and ARM).
+# vLLM's CPU build keeps one core per rank free of its worker's threads (for its scheduler and front end),
+# and one more per rank whenever a KV connector is configured (its comment: for NIXL's transfers); when
+# that leaves the worker no core it binds the worker's threads to every core instead. dwdp's connector
+# reads inside the worker's forward and has no transfers of its own: vllm_cpu_env() keeps the layout vLLM
+# alone has (one reserved core per rank on x86 and ARM), so the pair and vLLM alone run the same way.
 RESERVED_CPU_VARIABLE = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
@@ -41,8 +41,7 @@ def reserved_cpu_advice(environ, on_cpu: bool, local_ranks: int) -> str | None:
     when it runs on GPUs or the reservation is set)."""
     if not on_cpu or RESERVED_CPU_VARIABLE in environ:
         return None
-    return (f"vLLM's CPU build reserves {local_ranks} more core(s) for a KV connector's own work; dwdp's "
-            f"connector needs none (on a small machine the doubled reservation leaves the worker's threads "
-            f"sharing cores with the scheduler's busy loop, several times slower); start vLLM with "
-            f"{RESERVED_CPU_VARIABLE}={local_ranks} to keep the cores vLLM alone keeps")
+    return (f"vLLM's CPU build reserves {local_ranks} more core(s) for a KV connector's own transfers, which "
+            f"dwdp's connector does not have; start vLLM with {RESERVED_CPU_VARIABLE}={local_ranks} to bind its "
+            f"worker as vLLM alone binds it")
 

@@ -153,7 +153,7 @@ class DWDPConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             advice = reserved_cpu_advice(os.environ, _on_cpu(), vllm_config.parallel_config.local_world_size)
             if advice is not None:
-                logger.warning("dwdp connector: %s", advice)
+                logger.info("dwdp connector: %s", advice)
             model = extra.get("model") or os.path.basename(str(vllm_config.model_config.model).rstrip("/"))
             self._expected = engine_kv(vllm_config, model)
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
