@@ -29,11 +29,35 @@ ENV_VARS = {
                    "its KV: dwdp signs each artifact's descriptor with it and the connector loads only what it "
                    "authenticates",
     "DWDP_KV_KEY_FILE": "a file holding that secret (mode 600), read instead of DWDP_KV_KEY when set",
+    "DWDP_NODE": "the name of this rank's node (default: the host name): peers on the same node watch each other "
+                 "through shared memory and pidfds, peers on other nodes through beats in the world's store; set "
+                 "it to emulate several nodes on one machine",
+    "DWDP_FABRIC_DIR": "directory for the host backend's segments, reachable from every node of a group (default: "
+                       "DWDP_SHM_DIR); on one machine emulating nodes, the stand-in for the NVLink fabric while "
+                       "each node's DWDP_SHM_DIR holds its node-local files",
 }
+
+NODE_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
 def shm_dir() -> str:
     return os.environ.get("DWDP_SHM_DIR", "/dev/shm")
+
+
+def fabric_dir() -> str:
+    return os.environ.get("DWDP_FABRIC_DIR") or shm_dir()
+
+
+def node_name() -> str:
+    """DWDP_NODE, or the host name: letters, digits and ._- only, at most 64 characters."""
+    value = os.environ.get("DWDP_NODE")
+    if value is None:
+        import socket
+
+        return socket.gethostname()
+    if not 0 < len(value) <= 64 or not set(value) <= NODE_NAME_CHARS:
+        raise ValueError(f"DWDP_NODE={value!r} must be 1 to 64 letters, digits, '.', '_' or '-'")
+    return value
 
 
 def wait_timeout_s(default: float) -> float:

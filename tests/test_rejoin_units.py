@@ -49,6 +49,9 @@ class _Liveness:
     def pid(self, peer):
         return self.pids.get(peer, 4242)  # 4242, not this process: an entry this process publishes is a new one
 
+    def identity(self, peer):
+        return self.pid(peer), None
+
     def forget(self, peer):
         self.states.pop(peer, None)
 

@@ -42,6 +42,8 @@ class DWDPConfig:
     peer_timeout_s: a copy from a peer still outstanding after this long makes the rank read that
         peer's liveness record (a lost peer is planned around, the copy retried elsewhere); a peer
         whose heartbeat is older than this is reported stalled.
+    remote_lost_after_s: a peer on another node (no pidfd there) whose beat in the store has not moved
+        for this long is lost (dwdp.runtime.store_liveness); at least peer_timeout_s.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
     experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
         two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first),
@@ -77,6 +79,7 @@ class DWDPConfig:
     backend: str = "auto"
     wait_timeout_s: float = 60.0
     peer_timeout_s: float = 2.0
+    remote_lost_after_s: float = 10.0
     inflight: int = 2
     experts_kernel: str = "auto"
     cuda_copy: str = "batch"
@@ -108,10 +111,13 @@ class DWDPConfig:
             raise ValueError(f"cuda_mapping={self.cuda_mapping!r} is not one of {CUDA_MAPPINGS}")
         if self.expert_biases not in EXPERT_BIASES:
             raise ValueError(f"expert_biases={self.expert_biases!r} is not one of {EXPERT_BIASES}")
-        for name in ("wait_timeout_s", "peer_timeout_s"):
+        for name in ("wait_timeout_s", "peer_timeout_s", "remote_lost_after_s"):
             timeout = getattr(self, name)
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
                 raise ValueError(f"{name}={timeout!r} must be a finite number of seconds > 0")
+        if self.remote_lost_after_s < self.peer_timeout_s:
+            raise ValueError(f"remote_lost_after_s={self.remote_lost_after_s} must be >= peer_timeout_s="
+                             f"{self.peer_timeout_s}: a remote peer is stalled before it is lost")
 
     def slice_bytes_for(self, backend: str) -> int:
         """The slice size a group on `backend` (a registered backend, not 'auto') copies with."""

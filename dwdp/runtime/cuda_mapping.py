@@ -11,8 +11,8 @@ import socket
 
 import torch
 
-from dwdp.runtime.board import Board
 from dwdp.runtime.group import DWDPGroup
+from dwdp.runtime.store_board import find_board
 
 log = logging.getLogger("dwdp")
 
@@ -55,7 +55,7 @@ def settle_cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, d
 
 def mapping_on_board(group: DWDPGroup) -> str:
     """The cuda mapping a running group settled on, as its live ranks' board entries name it."""
-    board = Board(group.group_id) if group.group_id else None
+    board = find_board(group) if group.group_id else None
     entries = [board.read(r) for r in range(group.size) if r != group.rank] if board is not None else []
     mappings = sorted({e["segment"].get("mapping") for e in entries if e is not None})
     if len(mappings) != 1:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dwdp.runtime.liveness import PeerLiveness
+from dwdp.runtime.liveness import PeerLiveness, entry_identity
 from dwdp.runtime.placement import NO_SOURCE, Placement, surviving_sources
 
 log = logging.getLogger("dwdp")
@@ -99,7 +99,7 @@ class Failover:
         self._record = record  # this rank's LivenessRecord, marked failed with its device
         self.board = board
         self.rejoins: dict[int, int] = {}
-        self._lost_pid: dict[int, int] = {}  # the process each lost peer was when it was lost
+        self._lost_identity: dict[int, tuple] = {}  # the process each lost peer was when it was lost
         self.pending: dict[int, dict] = {}   # peer -> board entry: rejoined, applied at the next forward
 
     # -- learning about losses -----------------------------------------------------------------
@@ -128,7 +128,7 @@ class Failover:
         found = {}
         for peer in self.lost:
             entry = self.board.read(peer)
-            if entry is not None and int(entry["pid"]) != self._lost_pid.get(peer):
+            if entry is not None and entry_identity(entry) != self._lost_identity.get(peer):
                 found[peer] = entry
         return found
 
@@ -187,7 +187,7 @@ class Failover:
         self.lost.update(new)
         for peer in new:
             if self.liveness is not None and peer in self.liveness.peers:
-                self._lost_pid[peer] = self.liveness.pid(peer)
+                self._lost_identity[peer] = self.liveness.identity(peer)
         self._replan()
         for peer in new:
             self.transport.forget_peer(peer)

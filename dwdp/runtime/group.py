@@ -127,6 +127,20 @@ def init_group(group_size: int | None = None, backend: str | None = None, timeou
     return DWDPGroup(global_rank % size, size, global_rank, world, mine, group_id(global_rank, size))
 
 
+def connect_store(timeout_s: float = 30.0):
+    """A new client connection to the world's store (MASTER_ADDR, MASTER_PORT: torchrun's agent store, or the
+    router's LoopbackStore), which outlives any rank. Raises naming the address when none is set or reachable."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise RuntimeError("a DWDP group spanning nodes needs the world's store: MASTER_ADDR and MASTER_PORT are "
+                           "not set (launch with torchrun, or `dwdp serve`)")
+    try:
+        return dist.TCPStore(host, int(port), None, False, datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except Exception as exc:
+        raise RuntimeError(f"the world's store at {host}:{port} cannot be reached: {type(exc).__name__}: {exc}") from None
+
+
 def free_port() -> int:
     """A port free now on 127.0.0.1 (another process may take it before it is bound again: for servers a
     test starts, not for a world's store, which LoopbackStore binds before it is named)."""

@@ -15,14 +15,15 @@ path unless asked: reading a record is two memory loads and one non-blocking pol
 
 Records are files in DWDP_SHM_DIR named dwdp-live-<pid>-<id>, mapped by every peer at setup and
 then unlinked, like segments: nothing is left in /dev/shm once the last process exits, killed
-ones included. Peers on another host (multi-node) have no record here: their status is `unknown`.
+ones included. A peer on another node (DWDP_NODE, default the host name) has no record here: with a
+store (the world's, which outlives any rank) each rank also beats there and peers on other nodes are
+watched through it (dwdp.runtime.store_liveness); without one their status is `unknown`.
 """
 from __future__ import annotations
 
 import logging
 import os
 import select
-import socket
 import threading
 import time
 import uuid
@@ -31,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dwdp import envs
+from dwdp.runtime.store_liveness import RemotePeers, StoreBeat
 from dwdp.runtime.transport.host import map_file, sweep_stale_segments
 
 log = logging.getLogger("dwdp")
@@ -49,7 +52,7 @@ def heartbeat_period(stall_after_s: float) -> float:
 class LivenessRecord:
     """This rank's own record: create, publish the handle, beat, mark closed or failed."""
 
-    def __init__(self, shm_dir: str | os.PathLike, period_s: float):
+    def __init__(self, shm_dir: str | os.PathLike, period_s: float, beat: StoreBeat | None = None):
         directory = Path(shm_dir)
         if not directory.is_dir():
             raise FileNotFoundError(f"DWDP_SHM_DIR={str(directory)!r} is not a directory")
@@ -63,15 +66,19 @@ class LivenessRecord:
         self.words[_STATE] = STARTING
         self.words[_BEAT] = time.monotonic_ns()
         self.period_s = period_s
+        self.beat = beat  # the same beats in the world's store, for peers on other nodes
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
+    def _node_fields(self) -> dict:
+        return {"host": envs.node_name(), **({"beat": self.beat.handle()} if self.beat is not None else {})}
+
     def handle(self) -> dict:
-        return {"path": str(self.path), "pid": os.getpid(), "host": socket.gethostname()}
+        return {"path": str(self.path), "pid": os.getpid(), **self._node_fields()}
 
     def board_handle(self) -> dict:
         """A handle valid for as long as this process lives (dwdp.runtime.board)."""
-        return {"path": f"/proc/{os.getpid()}/fd/{self._fd}", "pid": os.getpid(), "host": socket.gethostname()}
+        return {"path": f"/proc/{os.getpid()}/fd/{self._fd}", "pid": os.getpid(), **self._node_fields()}
 
     @property
     def is_serving(self) -> bool:
@@ -80,12 +87,16 @@ class LivenessRecord:
     def start(self) -> None:
         """Mark SERVING and beat until `close`."""
         self.words[_STATE] = SERVING
+        if self.beat is not None:
+            self.beat.set_state(SERVING)
         self._thread = threading.Thread(target=self._beat, name="dwdp-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.period_s):
             self.words[_BEAT] = time.monotonic_ns()
+            if self.beat is not None:
+                self.beat.beat()
 
     def seal(self) -> None:
         """Every peer has mapped the record: drop its name."""
@@ -95,6 +106,8 @@ class LivenessRecord:
 
     def mark_failed(self) -> None:
         self.words[_STATE] = FAILED
+        if self.beat is not None:
+            self.beat.set_state(FAILED)
 
     def close(self) -> None:
         """Stop beating and say so, so that peers do not take the silence for a crash."""
@@ -104,6 +117,8 @@ class LivenessRecord:
             self._thread = None
         if int(self.words[_STATE]) != FAILED:
             self.words[_STATE] = CLOSED
+            if self.beat is not None:
+                self.beat.set_state(CLOSED)
         self.seal()
         if self._fd is not None:
             os.close(self._fd)
@@ -115,12 +130,16 @@ class PeerStatus:
     state: str   # "alive", "stalled", "exited", "failed", "closed" or "unknown"
     pid: int
     beat_age_s: float | None  # seconds since its last heartbeat (None: no record)
+    remote: bool = False      # on another node: read from its beats in the store
 
     @property
     def is_lost(self) -> bool:
         return self.state in ("exited", "failed")
 
     def describe(self, peer: int) -> str:
+        if self.state == "exited" and self.remote:
+            return (f"rank {peer} (pid {self.pid}, another node) has not beaten for {self.beat_age_s:.2f} s, or a new "
+                    "process took its place")
         if self.state == "exited":
             return f"rank {peer} (pid {self.pid}) exited without closing"
         if self.state == "failed":
@@ -156,24 +175,31 @@ def process_exited(pid: int, pidfd: int | None) -> bool:
 
 
 class PeerLiveness:
-    """The records of every peer of `rank` on this host, mapped once at setup."""
+    """The records of every peer of `rank` on this node, mapped once at setup, and the beats of those on
+    other nodes (`remote`, read through the world's store; None: their status is unknown)."""
 
-    def __init__(self, rank: int, handles: list[dict | None], stall_after_s: float):
+    def __init__(self, rank: int, handles: list[dict | None], stall_after_s: float,
+                 remote: RemotePeers | None = None):
         """handles[r]: rank r's record handle; None for a peer already lost (not watched)."""
-        self.rank, self.stall_after_s = rank, stall_after_s
+        self.rank, self.stall_after_s, self.remote = rank, stall_after_s, remote
         self._words: dict[int, torch.Tensor] = {}
         self._pids: dict[int, int] = {}
         self._pidfds: dict[int, int | None] = {}
+        self._incarnations: dict[int, str | None] = {}
         for peer, handle in enumerate(handles):
             if peer != rank and handle is not None:
                 self.watch(peer, handle)
 
     def watch(self, peer: int, handle: dict) -> None:
         """Map `peer`'s record (at setup, or a new incarnation's once the old one was forgotten)."""
-        if peer in self._words:
+        if peer in self._words or (self.remote is not None and peer in self.remote.peers):
             raise RuntimeError(f"rank {self.rank}: already watching peer {peer}; forget({peer}) first")
-        if handle.get("host") != socket.gethostname():
-            return  # on another host: no record to read here, its status stays unknown
+        beat = handle.get("beat")
+        self._incarnations[peer] = beat.get("incarnation") if isinstance(beat, dict) else None
+        if handle.get("host") != envs.node_name():
+            if self.remote is not None and isinstance(handle.get("beat"), dict):
+                self.remote.watch(peer, int(handle["pid"]), handle["beat"])
+            return  # on another node: no record to read here (without a store its status stays unknown)
         if not os.path.exists(handle["path"]):
             raise FileNotFoundError(f"rank {self.rank}: liveness record {handle['path']} of peer {peer} does not exist")
         pidfd = _pidfd(int(handle["pid"]))  # first: a record of a process that has gone reads as exited
@@ -183,14 +209,24 @@ class PeerLiveness:
 
     @property
     def peers(self) -> tuple[int, ...]:
-        return tuple(sorted(self._words))
+        remote = self.remote.peers if self.remote is not None else ()
+        return tuple(sorted((*self._words, *remote)))
+
+    def identity(self, peer: int) -> tuple:
+        """(pid, beat incarnation): which process `peer` is (a pid alone may be reused on another node)."""
+        return self.pid(peer), self._incarnations.get(peer)
 
     def pid(self, peer: int) -> int:
+        if peer not in self._pids and self.remote is not None:
+            return self.remote.pid(peer)
         return self._pids[peer]
 
     def status(self, peer: int) -> PeerStatus:
         words = self._words.get(peer)
         if words is None:
+            if self.remote is not None and peer in self.remote.peers:
+                seen = self.remote.status(peer)
+                return PeerStatus(seen.state, self.remote.pid(peer), seen.beat_age_s, remote=True)
             return PeerStatus("unknown", -1, None)
         pid = self._pids[peer]
         state, beat = int(words[_STATE]), int(words[_BEAT])
@@ -208,25 +244,61 @@ class PeerLiveness:
     def forget(self, peer: int) -> None:
         """Stop watching a lost peer: unmap its record and close its pidfd."""
         self._words.pop(peer, None)
+        self._pids.pop(peer, None)
+        self._incarnations.pop(peer, None)
         fd = self._pidfds.pop(peer, None)
         if fd is not None:
             os.close(fd)
+        if self.remote is not None:
+            self.remote.forget(peer)
 
     def close(self) -> None:
         for peer in list(self._words):
             self.forget(peer)
+        if self.remote is not None:
+            self.remote.close()
 
 
-def exchange_records(group, shm_dir: str, stall_after_s: float) -> tuple[LivenessRecord | None, PeerLiveness | None]:
-    """This rank's record and its view of every peer's (one all_gather, at setup). Call `seal` on
-    the record after the group barrier and `start` it once serving; (None, None) for one rank."""
+def entry_identity(entry: dict) -> tuple:
+    """(pid, beat incarnation) of a board entry, as PeerLiveness.identity names a watched peer."""
+    beat = entry["record"].get("beat")
+    return int(entry["pid"]), beat.get("incarnation") if isinstance(beat, dict) else None
+
+
+def remote_watch(group, stall_after_s: float, lost_after_s: float, spans_nodes: bool):
+    """(this rank's StoreBeat, its RemotePeers) when its group spans nodes, each over its own connection to
+    the world's store (dwdp.runtime.group.connect_store); (None, None) otherwise. Raises when the group
+    spans nodes and no store can be reached: without one, no peer on another node could be declared lost
+    but by a failing copy, and no replacement could find the group."""
+    if not spans_nodes:
+        return None, None
+    from dwdp.runtime.group import connect_store
+
+    period = heartbeat_period(stall_after_s)
+    beat = StoreBeat(connect_store(), group.group_id or "world", group.rank)
+    remote = RemotePeers(connect_store(), stall_after_s, lost_after_s, period)
+    return beat, remote
+
+
+def exchange_records(group, shm_dir: str, stall_after_s: float,
+                     lost_after_s: float | None = None) -> tuple[LivenessRecord | None, PeerLiveness | None]:
+    """This rank's record and its view of every peer's (two all_gathers, at setup: the nodes, then the
+    handles). Call `seal` on the record after the group barrier and `start` it once serving; (None, None)
+    for one rank. lost_after_s: when a silent peer on another node is lost (default 5 x stall_after_s)."""
     if group.size == 1:
         return None, None
-    record = LivenessRecord(shm_dir, heartbeat_period(stall_after_s))
+    nodes = group.all_gather_object(envs.node_name())
+    beat, remote = remote_watch(group, stall_after_s, lost_after_s or 5 * stall_after_s, len(set(nodes)) > 1)
+    record = LivenessRecord(shm_dir, heartbeat_period(stall_after_s), beat)
     try:
-        return record, PeerLiveness(group.rank, group.all_gather_object(record.handle()), stall_after_s)
+        liveness = PeerLiveness(group.rank, group.all_gather_object(record.handle()), stall_after_s, remote)
+        if remote is not None:
+            remote.start()
+        return record, liveness
     except BaseException:
         record.close()
+        if remote is not None:
+            remote.close()
         raise
 
 

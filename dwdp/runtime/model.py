@@ -28,11 +28,13 @@ from dwdp.runtime.cuda_mapping import settle_cuda_mapping
 from dwdp.runtime.experts_kernel import TOP_K_FORMS, compiled_specialisations, routing_top_k
 from dwdp.runtime.experts_paths import ExpertSource, position_table, resolve_experts_path, table_order
 from dwdp.runtime.failover import Failover, FailoverStatus
-from dwdp.runtime.group import DWDPGroup, init_group
-from dwdp.runtime.liveness import LivenessRecord, PeerLiveness, close_records, exchange_records, heartbeat_period
+from dwdp.runtime.group import DWDPGroup, connect_store, init_group
+from dwdp.runtime.liveness import (LivenessRecord, PeerLiveness, close_records, exchange_records, heartbeat_period,
+                                   remote_watch)
 from dwdp.runtime.placement import build_placement
 from dwdp.runtime.prefetch import Prefetcher
 from dwdp.runtime.rejoin import PeerEntries, live_owner_of_each, peer_source
+from dwdp.runtime.store_board import StoreBoard, find_board
 from dwdp.runtime.transport import make_transport, resolve_backend, transport_class
 from dwdp.runtime.wrapping import ModelWrapper, dense_bytes, dense_checksum
 
@@ -189,7 +191,7 @@ class DWDPModel(ModelWrapper):
         try:
             board = self._board()
             self.path = resolve_experts_path(config, layers, placement, group.rank, self.transport, device)
-            record, liveness, lost_at_start = self._share_experts(board, expert_source)
+            record, liveness, lost_at_start, board = self._share_experts(board, expert_source)
             self.views, self.experts_kernel = self.path.views, self.path.kernel
             self._prefetch(record, liveness, board, lost_at_start, device)
             self._attach_hooks(trace or envs.trace_dir())
@@ -216,7 +218,9 @@ class DWDPModel(ModelWrapper):
         """The group's board (where a restarted rank and its peers find each other), where the transport's
         segments can be opened by a process started later."""
         group, transport = self.group, self.transport
-        board = Board(group.group_id) if group.group_id and group.size > 1 and transport.can_rejoin else None
+        board = None
+        if group.group_id and group.size > 1 and transport.can_rejoin:
+            board = find_board(group) if group.rejoining else Board(group.group_id)
         if group.rejoining and board is None:
             transport.close()
             raise ValueError(f"rank {group.rank} cannot rejoin: the {self.backend} backend ({transport.describe_mapping()}) "
@@ -226,7 +230,8 @@ class DWDPModel(ModelWrapper):
     def _share_experts(self, board: Board | None, expert_source: ExpertSource | None):
         """Fill this rank's segment with its local experts, exchange handles (or read them from the board
         when rejoining), map every peer's segment, seal, publish on the board. Returns (liveness record,
-        peers' liveness, peers lost before this rank joined)."""
+        peers' liveness, peers lost before this rank joined, the board: in the world's store when the group
+        spans nodes)."""
         group, transport, path, layers = self.group, self.transport, self.path, self.experts_layers
         record = liveness = None
         lost_at_start: dict[int, str] = {}
@@ -249,8 +254,11 @@ class DWDPModel(ModelWrapper):
                 exchanged = group.all_gather_object((transport.register(), checksum))
                 check_same_dense([c for _, c in exchanged])
                 transport.open([handle for handle, _ in exchanged])
-                record, liveness = exchange_records(group, envs.shm_dir(), self.dwdp_config.peer_timeout_s)
+                record, liveness = exchange_records(group, envs.shm_dir(), self.dwdp_config.peer_timeout_s,
+                                                    self.dwdp_config.remote_lost_after_s)
                 group.barrier()  # every peer has mapped our segment and record: their names can go
+                if board is not None and liveness is not None and liveness.remote is not None:
+                    board = StoreBoard(board.group_id, connect_store())  # reachable from every node
             board_entry = transport.board_handle() if board is not None else None  # before seal: exports it keeps
             transport.seal()
             if record is not None:
@@ -264,9 +272,9 @@ class DWDPModel(ModelWrapper):
             raise
         self._liveness_finalizer = weakref.finalize(self, close_records, record, liveness)
         self._board_finalizer = weakref.finalize(self, board.withdraw, group.rank) if board is not None else None
-        return record, liveness, lost_at_start
+        return record, liveness, lost_at_start, board
 
-    def _rejoin(self, board: Board, checksum: int, source: ExpertSource):
+    def _rejoin(self, board: Board | StoreBoard, checksum: int, source: ExpertSource):
         """A rank that rejoins a running group: its peers' handles from the board, their segments mapped,
         its local experts copied out of a live owner's segment where one holds them (a memory copy beats
         reading the checkpoint: dwdp.runtime.rejoin). Returns (record, liveness, lost_at_start, source)."""
@@ -274,8 +282,13 @@ class DWDPModel(ModelWrapper):
         peers = PeerEntries.read(board, group.rank, group.size)
         check_same_dense_as_peers(group.rank, checksum, peers)
         transport.open(peers.segments(transport.register()))
-        record = LivenessRecord(envs.shm_dir(), heartbeat_period(config.peer_timeout_s))
-        liveness = PeerLiveness(group.rank, peers.records(), config.peer_timeout_s)
+        node = envs.node_name()
+        spans_nodes = any(r is not None and r.get("host") != node for r in peers.records())
+        beat, remote = remote_watch(group, config.peer_timeout_s, config.remote_lost_after_s, spans_nodes)
+        record = LivenessRecord(envs.shm_dir(), heartbeat_period(config.peer_timeout_s), beat)
+        liveness = PeerLiveness(group.rank, peers.records(), config.peer_timeout_s, remote)
+        if remote is not None:
+            remote.start()
         lost_at_start = {r: f"rank {r} had no live entry on the board when rank {group.rank} rejoined"
                          for r in peers.missing}
         owner_of = live_owner_of_each(self.placement, group.rank, peers.live)

@@ -164,7 +164,7 @@ class HostTransport(Transport):
         self.copy_batches = copy_batches
         self.min_batch_bytes = min_batch_bytes
         self._batches: dict[tuple[int, int], tuple[CopyPlan, list[_HostBatch]]] = {}
-        self.shm_dir = Path(shm_dir or envs.shm_dir())
+        self.shm_dir = Path(shm_dir or envs.fabric_dir())  # segments: reachable from every node of the group
         self._path: Path | None = None
         self._fd: int | None = None  # kept open: /proc/<pid>/fd/<fd> reopens the segment (a rejoining peer)
         self._segment: torch.Tensor | None = None

@@ -1,0 +1,148 @@
+"""The board of a group spanning nodes, in the world's store (torchrun's agent store, or the store `dwdp
+serve` hosts on its first node): what dwdp.runtime.board keeps in one node's directory, reachable from
+every node, so that a replacement on any node finds its group and its peers find it again.
+
+The key `dwdp/<group id>/board/<rank>` holds the same JSON entry as a board file, with the node it runs on
+("host") and its liveness handle's beat (dwdp.runtime.store_liveness). Whether an entry's process lives
+is read the way its node allows: a process on this node by its pid and start time, one on another node by
+its beat (the key `dwdp/<group id>/beat/<rank>` still naming the entry's incarnation, not closed or
+failed). A process killed on another node keeps its last beat: its entry reads as live until a peer
+that watches its beats declares it lost and sweeps it, or a replacement writes over it.
+
+Keys are never deleted (a reader's `get` of a deleted key would wait for the store's timeout): an
+entry withdrawn or swept is overwritten with an empty value, and only if it still holds what the
+withdrawing rank read (compare-and-set), so no rank removes another's newer entry. Entries are
+untrusted input: one that is too long, not JSON, or not shaped like an entry reads as none.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+from dwdp import envs
+from dwdp.runtime.board import Board, _entry_alive, _start_time
+from dwdp.runtime.store_liveness import CLOSED, FAILED, beat_key, parse_beat
+
+log = logging.getLogger("dwdp")
+
+MAX_ENTRY_BYTES = 64 * 1024  # an entry holds a few handles: anything longer is not one of ours
+FIND_TIMEOUT_S = 5.0         # how long a replacement tries to reach the store before it looks on its node
+
+
+def board_key(group_id: str, rank: int) -> str:
+    return f"dwdp/{group_id}/board/{rank}"
+
+
+def _is_entry(entry) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("pid"), int) and isinstance(entry.get("segment"), dict)
+            and isinstance(entry.get("record"), dict) and isinstance(entry.get("dense_checksum"), int)
+            and isinstance(entry.get("host"), str))
+
+
+class StoreBoard:
+    """The board of group `group_id` in `store` (a torch.distributed store client of this process)."""
+
+    def __init__(self, group_id: str, store):
+        if not group_id or "/" in group_id:
+            raise ValueError(f"group_id={group_id!r} must be a non-empty name without '/'")
+        self.group_id, self.store = group_id, store
+        self.node = envs.node_name()
+        self._written: dict[int, bytes] = {}  # rank -> the value this process published
+        self._unreachable = False
+
+    def __repr__(self) -> str:
+        return f"StoreBoard({self.group_id!r})"
+
+    def _raw(self, rank: int) -> bytes | None:
+        key = board_key(self.group_id, rank)
+        try:
+            raw = bytes(self.store.get(key)) if self.store.check([key]) else None
+        except Exception as exc:  # the store's host is gone: nobody is found, nobody is lost by it
+            if not self._unreachable:
+                log.warning("board entry %s unreadable: the store is unreachable (%s: %s)", key, type(exc).__name__,
+                            exc)
+            self._unreachable = True
+            return None
+        self._unreachable = False
+        return raw
+
+    def _parse(self, rank: int, raw: bytes | None) -> dict | None:
+        if not raw or len(raw) > MAX_ENTRY_BYTES:
+            return None
+        try:
+            entry = json.loads(raw)
+        except (UnicodeDecodeError, ValueError):
+            return None
+        return entry if _is_entry(entry) else None
+
+    def _alive(self, rank: int, entry: dict) -> bool:
+        if entry["host"] == self.node:
+            return _entry_alive(entry)
+        beat = entry["record"].get("beat")
+        if not isinstance(beat, dict):
+            return False
+        try:
+            # The key is ours to compute: an entry never names what this process reads.
+            raw = self.store.get(beat_key(self.group_id, rank)) if self.store.check([beat_key(self.group_id, rank)]) \
+                else None
+        except Exception:
+            return False
+        seen = parse_beat(bytes(raw)) if raw is not None else None
+        return seen is not None and seen[0] == beat.get("incarnation") and seen[1] not in (CLOSED, FAILED)
+
+    def publish(self, rank: int, segment: dict, record: dict, dense_checksum: int) -> None:
+        """Write this process's entry for `rank`, replacing any earlier incarnation's."""
+        entry = {"pid": os.getpid(), "start_time": _start_time(os.getpid()), "host": self.node, "segment": segment,
+                 "record": record, "dense_checksum": dense_checksum}
+        value = json.dumps(entry).encode()
+        if len(value) > MAX_ENTRY_BYTES:
+            raise ValueError(f"rank {rank}'s board entry is {len(value)} bytes; at most {MAX_ENTRY_BYTES} fit")
+        self.store.set(board_key(self.group_id, rank), value)
+        self._written[rank] = value
+
+    def read(self, rank: int) -> dict | None:
+        """`rank`'s entry, or None when it has none, it is not an entry, or its process is gone."""
+        entry = self._parse(rank, self._raw(rank))
+        return entry if entry is not None and self._alive(rank, entry) else None
+
+    def _clear(self, rank: int, expected: bytes) -> None:
+        try:
+            self.store.compare_set(board_key(self.group_id, rank), expected, b"")
+        except Exception as exc:
+            log.warning("board entry of rank %d not cleared: the store is unreachable (%s: %s)", rank,
+                        type(exc).__name__, exc)
+
+    def sweep(self, rank: int) -> None:
+        """Clear `rank`'s entry when its process is gone (a survivor cleans up after a loss); a peer on
+        another node whose beat still names it stays until it is replaced."""
+        raw = self._raw(rank)
+        entry = self._parse(rank, raw)
+        if entry is not None and not self._alive(rank, entry):
+            self._clear(rank, raw)
+
+    def withdraw(self, rank: int) -> None:
+        """Clear `rank`'s entry if it is still the one this process published (a rank closing)."""
+        value = self._written.pop(rank, None)
+        if value is not None:
+            self._clear(rank, value)
+
+    def has_entries(self, size: int) -> bool:
+        """Some rank of the group has published here (a replacement's test for where its group is)."""
+        return any(self._raw(r) for r in range(size))
+
+
+def find_board(group) -> Board | StoreBoard:
+    """Where a replacement finds its running group: the world's store when the group published there (it
+    spans nodes), else the board in this node's DWDP_SHM_DIR."""
+    from dwdp.runtime.group import connect_store
+
+    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
+        try:
+            board = StoreBoard(group.group_id, connect_store(FIND_TIMEOUT_S))
+        except RuntimeError as exc:
+            log.warning("rank %d: %s; looking for its group on this node only", group.rank, exc)
+        else:
+            if board.has_entries(group.size):
+                return board
+    return Board(group.group_id)
