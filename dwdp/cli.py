@@ -152,6 +152,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "on a quiet machine), or shortest first within --fairness")
     serve.add_argument("--fairness", type=float, default=0.5,
                        help="shortest: a prompt queued this many seconds goes first whatever its length (default 0.5)")
+    serve.add_argument("--nnodes", type=_positive_int, default=1,
+                       help="nodes the DWDP group spans, --ranks on each; run `dwdp serve` on every node with the "
+                            "same flags but --node-rank (docs/multi-node.md; default 1)")
+    serve.add_argument("--node-rank", type=int, default=0,
+                       help="this node's index, 0..nnodes-1: it serves group ranks node-rank x ranks onwards (default 0)")
+    serve.add_argument("--remote-lost-after", type=float, default=None,
+                       help="seconds a worker on another node may go without a beat in the group's store before it "
+                            "is declared lost (default: --config's remote_lost_after_s, else 10)")
+    serve.add_argument("--dist-init-addr", metavar="HOST:PORT", default=None,
+                       help="where every node's workers meet: node 0's server hosts the group's store there (no "
+                            "authentication: an address only the group's nodes reach)")
     _add_front_arguments(serve)
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -416,7 +427,9 @@ def _run(args) -> int:
                 threads_per_worker=args.threads_per_worker, drain_timeout_s=args.drain_timeout, device=args.device,
                 dtype=args.dtype, mode=args.mode, step_timeout_s=args.step_timeout, batch_order=args.batch_order,
                 fairness_s=args.fairness, restart=args.restart, restart_backoff_s=args.restart_backoff,
-                max_restarts_per_minute=args.max_restarts_per_minute, forwards=args.forwards, dwdp=dwdp_config)
+                max_restarts_per_minute=args.max_restarts_per_minute, forwards=args.forwards, nnodes=args.nnodes,
+                node_rank=args.node_rank, dist_init_addr=args.dist_init_addr,
+                remote_lost_after_s=args.remote_lost_after, dwdp=dwdp_config)
         except ValueError as exc:
             raise SystemExit(f"dwdp serve: {exc}") from None
         notice = override_notice(config, args.config)

@@ -52,6 +52,9 @@ class _Liveness:
     def identity(self, peer):
         return self.pid(peer), None
 
+    def node_of(self, peer):
+        return None
+
     def forget(self, peer):
         self.states.pop(peer, None)
 

@@ -70,6 +70,7 @@ class FailoverStatus:
     rejoins: dict[int, int] = dataclasses.field(default_factory=dict)  # peer -> times it rejoined
     redundancy: tuple[int, ...] = ()  # per expert: owners not lost, as this rank sees them
     rejoining: tuple[int, ...] = ()   # lost peers found back, taken into the plans at the next forward
+    peers: dict[int, tuple] = dataclasses.field(default_factory=dict)  # peer -> (its node, its state here)
 
     @property
     def can_serve_all(self) -> bool:
@@ -254,9 +255,12 @@ class Failover:
                 f"owns (lost ranks {owners}: {why})", hit, lost)
 
     def status(self) -> FailoverStatus:
-        stalled = ()
+        stalled, peers = (), {}
         if self.liveness is not None:
-            stalled = tuple(p for p in self.liveness.peers if self.liveness.status(p).state == "stalled")
+            states = {p: self.liveness.status(p).state for p in self.liveness.peers}
+            stalled = tuple(p for p, state in states.items() if state == "stalled")
+            peers = {p: (self.liveness.node_of(p), "lost" if p in self.lost else states.get(p, "unknown"))
+                     for p in sorted({*states, *self.lost})}
         return FailoverStatus(self.rank, dict(self.lost), stalled, self.replans, self.retried_slices,
                               tuple(sorted(self.unservable)), self.device_lost, dict(self.rejoins),
-                              self.redundancy(), tuple(sorted(self.pending)))
+                              self.redundancy(), tuple(sorted(self.pending)), peers)

@@ -152,20 +152,33 @@ def free_port() -> int:
 LOOPBACK_INTERFACE = "lo"
 
 
-class LoopbackStore:
-    """The rendezvous store of a world whose ranks all run on this host, hosted by the process that starts
-    them: its listening socket is bound to 127.0.0.1 before its port is known (no port picked, then raced
-    for), so nothing beyond this host reaches it, unlike a rank 0's store, which listens on every
-    interface. The ranks join it as clients: `env()` for their environment (env:// with torch's
-    agent-store switch), then init_process_group as usual. close() when the ranks are done with it."""
+def store_env(host: str, port: int) -> dict[str, str]:
+    """What a rank's environment needs to join the world's store at host:port (with RANK and WORLD_SIZE of its
+    own): env:// with torch's agent-store switch (the ranks are its clients), and on loopback gloo's and
+    NCCL's own sockets there too, unless this environment names another interface."""
+    out = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    if host in ("127.0.0.1", "localhost", "::1"):
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ and os.path.isdir(f"/sys/class/net/{LOOPBACK_INTERFACE}"):
+                out[name] = LOOPBACK_INTERFACE
+    return out
 
-    def __init__(self, timeout_s: float = 300.0):
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+
+class LoopbackStore:
+    """The world's store, hosted by the process that starts the ranks: its listening socket is bound before
+    its port is known (no port picked, then raced for). By default on 127.0.0.1, so nothing beyond this host
+    reaches it, unlike a rank 0's store, which listens on every interface; `dwdp serve --nnodes` binds it to
+    the address the other nodes reach (`host`, `port`). The ranks join it as clients: `env()` for their
+    environment, then init_process_group as usual. close() when the ranks are done with it."""
+
+    def __init__(self, timeout_s: float = 300.0, host: str = "127.0.0.1", port: int = 0):
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         try:
-            sock.bind(("127.0.0.1", 0))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
             sock.listen(1024)
-            self.port = sock.getsockname()[1]
-            self.store = dist.TCPStore("127.0.0.1", self.port, None, True, datetime.timedelta(seconds=timeout_s),
+            self.host, self.port = host, sock.getsockname()[1]
+            self.store = dist.TCPStore(host, self.port, None, True, datetime.timedelta(seconds=timeout_s),
                                        wait_for_workers=False, master_listen_fd=sock.fileno())
         except BaseException:
             sock.close()
@@ -173,13 +186,7 @@ class LoopbackStore:
         sock.detach()  # the store's server owns the listening descriptor now
 
     def env(self) -> dict[str, str]:
-        """What a rank's environment needs to join this store (with RANK and WORLD_SIZE of its own); gloo's
-        and NCCL's own sockets on the loopback interface too, unless this environment names another."""
-        out = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if name not in os.environ and os.path.isdir(f"/sys/class/net/{LOOPBACK_INTERFACE}"):
-                out[name] = LOOPBACK_INTERFACE
-        return out
+        return store_env(self.host, self.port)
 
     def close(self) -> None:
         self.store = None  # the server stops with its last reference

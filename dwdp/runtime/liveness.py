@@ -186,6 +186,7 @@ class PeerLiveness:
         self._pids: dict[int, int] = {}
         self._pidfds: dict[int, int | None] = {}
         self._incarnations: dict[int, str | None] = {}
+        self._nodes: dict[int, str | None] = {}  # kept after `forget`: where a lost peer ran
         for peer, handle in enumerate(handles):
             if peer != rank and handle is not None:
                 self.watch(peer, handle)
@@ -194,6 +195,7 @@ class PeerLiveness:
         """Map `peer`'s record (at setup, or a new incarnation's once the old one was forgotten)."""
         if peer in self._words or (self.remote is not None and peer in self.remote.peers):
             raise RuntimeError(f"rank {self.rank}: already watching peer {peer}; forget({peer}) first")
+        self._nodes[peer] = handle.get("host")
         beat = handle.get("beat")
         self._incarnations[peer] = beat.get("incarnation") if isinstance(beat, dict) else None
         if handle.get("host") != envs.node_name():
@@ -211,6 +213,10 @@ class PeerLiveness:
     def peers(self) -> tuple[int, ...]:
         remote = self.remote.peers if self.remote is not None else ()
         return tuple(sorted((*self._words, *remote)))
+
+    def node_of(self, peer: int) -> str | None:
+        """The node `peer` runs (or last ran) on, as its handle named it."""
+        return self._nodes.get(peer)
 
     def identity(self, peer: int) -> tuple:
         """(pid, beat incarnation): which process `peer` is (a pid alone may be reused on another node)."""

@@ -18,8 +18,9 @@ FORWARDS = ("auto", "padded")
 # each takes its value from `dwdp` (the --config file), else SERVE_DEFAULTS; given, it wins over the
 # file and `dwdp_overrides` records it. `device` sets the DWDPConfig backend the same way.
 DWDP_FIELDS = {"ranks": "group_size", "slice_bytes": "slice_bytes", "expert_replicas": "expert_replicas",
-               "peer_timeout_s": "peer_timeout_s", "device": "backend"}
-SERVE_DEFAULTS = {"ranks": 2, "slice_bytes": None, "expert_replicas": 1, "peer_timeout_s": 2.0, "device": "cpu"}
+               "peer_timeout_s": "peer_timeout_s", "remote_lost_after_s": "remote_lost_after_s", "device": "backend"}
+SERVE_DEFAULTS = {"ranks": 2, "slice_bytes": None, "expert_replicas": 1, "peer_timeout_s": 2.0,
+                  "remote_lost_after_s": 10.0, "device": "cpu"}
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -36,8 +37,13 @@ def _check_seconds(name: str, value) -> None:
 class ServeConfig:
     """Settings of `dwdp serve`.
 
-    ranks: worker processes, all in one DWDP group (each an independent prefill worker); None:
-        `dwdp.group_size`, else 2.
+    ranks: worker processes on this node, all in one DWDP group (each an independent prefill worker);
+        None: `dwdp.group_size`, else 2. Over several nodes, this node's share of the group.
+    nnodes, node_rank, dist_init_addr: a group over `nnodes` nodes, `ranks` on each (SGLang's names):
+        this server runs group ranks node_rank * ranks .. + ranks - 1 behind its own router, and all
+        nodes' workers meet at dist_init_addr ("HOST:PORT"), where node 0's server hosts the world's
+        store (the board and the beats of dwdp.runtime.store_board and store_liveness). The store
+        has no authentication: HOST must be on a network only the group's nodes reach.
     model: checkpoint directory loaded per rank with DWDPModel.from_pretrained; None = `preset`.
     preset: built-in random-weight model ("tiny": the demo's DeepSeek-V3-style model; "small": a
         Qwen3-MoE shape with 384 MiB of bf16 experts, for GPUs), seeded by `seed`.
@@ -59,6 +65,8 @@ class ServeConfig:
         servable when any one worker is lost. None: `dwdp.expert_replicas`, else 1.
     peer_timeout_s: DWDPConfig.peer_timeout_s of every worker (bound on a copy before the peer's
         liveness is read; heartbeat age that counts as stalled). None: `dwdp.peer_timeout_s`, else 2.
+    remote_lost_after_s: DWDPConfig.remote_lost_after_s (a worker on another node silent this long in
+        the store is lost). None: `dwdp.remote_lost_after_s`, else 10.
     stall_timeout_s: a worker silent this long (no health report) gets no new requests until it
         speaks again; its queued requests wait for it.
     fault_injection: enable POST /admin/fault (make one rank's memory unreadable), for chaos tests.
@@ -109,6 +117,7 @@ class ServeConfig:
     slice_bytes: int | None = None
     expert_replicas: int | None = None
     peer_timeout_s: float | None = None
+    remote_lost_after_s: float | None = None
     stall_timeout_s: float = 2.0
     fault_injection: bool = False
     threads_per_worker: int = 1
@@ -124,6 +133,9 @@ class ServeConfig:
     restart_backoff_s: float = 0.5
     max_restarts_per_minute: int = 3
     forwards: str = "auto"
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     dwdp: DWDPConfig | None = None
     dwdp_overrides: tuple = field(default=(), init=False, compare=False)
 
@@ -133,8 +145,10 @@ class ServeConfig:
         if self.mode == "dep" and self.dwdp is not None:
             raise ValueError("dwdp: a DWDPConfig (--config) sets up DWDP workers and mode='dep' runs none; serve it "
                              "in mode 'dwdp', or leave the DWDPConfig out")
+        ranks_given = self.ranks is not None
         self._take_dwdp_settings()
         _check_int("ranks", self.ranks, 1)
+        self._check_nodes(ranks_given)
         _check_int("port", self.port, 0)
         if self.port > 65535:
             raise ValueError(f"port={self.port} must be <= 65535")
@@ -155,8 +169,9 @@ class ServeConfig:
         if self.slice_bytes is not None:
             _check_int("slice_bytes", self.slice_bytes, 1)
         _check_int("expert_replicas", self.expert_replicas, 1)
-        if self.expert_replicas > self.ranks:
-            raise ValueError(f"expert_replicas={self.expert_replicas} must be <= ranks={self.ranks}")
+        if self.expert_replicas > self.group_ranks:
+            raise ValueError(f"expert_replicas={self.expert_replicas} must be <= the group's ranks "
+                             f"({self.group_ranks})")
         _check_seconds("peer_timeout_s", self.peer_timeout_s)
         _check_seconds("stall_timeout_s", self.stall_timeout_s)
         _check_int("threads_per_worker", self.threads_per_worker, 1)
@@ -190,6 +205,33 @@ class ServeConfig:
         if self.mode == "dwdp":
             self._merged_dwdp()  # DWDPConfig checks the merged settings here, not later in a worker
 
+    def _check_nodes(self, ranks_given: bool) -> None:
+        _check_int("nnodes", self.nnodes, 1)
+        _check_int("node_rank", self.node_rank, 0)
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} must be < nnodes={self.nnodes}")
+        if self.nnodes == 1:
+            if self.dist_init_addr is not None or self.node_rank:
+                raise ValueError("dist_init_addr and node_rank are for a group over several nodes: give nnodes too")
+            return
+        if self.mode != "dwdp":
+            raise ValueError(f"nnodes={self.nnodes}: a group over nodes is served in mode 'dwdp' (got "
+                             f"mode={self.mode!r})")
+        if not ranks_given:
+            raise ValueError(f"nnodes={self.nnodes}: give ranks (this node's workers) as well; a --config file's "
+                             "group_size is the whole group's")
+        split_address(self.dist_init_addr)
+
+    @property
+    def group_ranks(self) -> int:
+        """Ranks of the DWDP group over every node."""
+        return self.ranks * self.nnodes
+
+    @property
+    def first_rank(self) -> int:
+        """The group rank of this node's first worker."""
+        return self.node_rank * self.ranks
+
     def _take_dwdp_settings(self) -> None:
         """Each DWDP_FIELDS setting left at None from `dwdp` (else SERVE_DEFAULTS); a given one that
         differs from `dwdp` goes into dwdp_overrides."""
@@ -214,8 +256,8 @@ class ServeConfig:
     def _merged_dwdp(self) -> DWDPConfig:
         backend = auto_backend(self.device)
         config = (self.dwdp or DWDPConfig()).replace(
-            group_size=self.ranks, slice_bytes=self.slice_bytes, expert_replicas=self.expert_replicas,
-            peer_timeout_s=self.peer_timeout_s, backend=backend)
+            group_size=self.group_ranks, slice_bytes=self.slice_bytes, expert_replicas=self.expert_replicas,
+            peer_timeout_s=self.peer_timeout_s, remote_lost_after_s=self.remote_lost_after_s, backend=backend)
         return config.replace(slice_bytes=config.slice_bytes_for(backend))
 
     @property
@@ -244,6 +286,18 @@ class ServeConfig:
         if self.model is not None:
             return self.model.rstrip("/").rsplit("/", 1)[-1]
         return f"dwdp-{self.preset}"
+
+
+def split_address(address) -> tuple[str, int]:
+    """(host, port) of a "HOST:PORT" (IPv6 hosts in brackets); ValueError naming the value otherwise."""
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(f"dist_init_addr={address!r} must be HOST:PORT (the first node's address, where its server "
+                         "hosts the group's store)")
+    host, _, port = address.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"dist_init_addr={address!r} must be HOST:PORT with a port in 1..65535")
+    return host, int(port)
 
 
 def load_dwdp_config(path: str) -> DWDPConfig:

@@ -31,8 +31,8 @@ from pathlib import Path
 
 from dwdp import envs
 from dwdp.runtime.board import sweep_stale_boards
-from dwdp.runtime.group import LoopbackStore
-from dwdp.serve.config import ServeConfig, prompt_limit
+from dwdp.runtime.group import LoopbackStore, store_env
+from dwdp.serve.config import ServeConfig, prompt_limit, split_address
 from dwdp.serve.errors import ServeError
 from dwdp.serve.restarts import RestartPolicy
 from dwdp.serve.protocol import (STOP, BatchDone, BatchStarted, InjectFault, PrefillError, PrefillJob, PrefillResult,
@@ -124,7 +124,9 @@ class WorkerPool:
         self._restarts = (RestartPolicy(config.restart_backoff_s, config.max_restarts_per_minute)
                           if config.restarts_workers else None)
         self._is_serving = False                         # every worker was ready once: a dead one may restart
-        self._store: LoopbackStore | None = None          # the workers' rendezvous, on loopback
+        self._store: LoopbackStore | None = None          # the workers' rendezvous (on node 0 of several)
+        self._store_env: dict = {}                       # how the workers reach it
+        self.node = envs.node_name()
         self._old_queues: list = []                      # request queues of dead processes, closed at the end
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -136,8 +138,8 @@ class WorkerPool:
             line = sharing_line(self.config.ranks, require_gpu("dwdp serve"))
             if line:
                 log.info("%s", line)
-        self._store = LoopbackStore(self.config.startup_timeout_s)
-        for rank in range(self.config.ranks):
+        self._open_store()
+        for rank in range(self.config.first_rank, self.config.first_rank + self.config.ranks):
             requests = self._ctx.Queue()
             self._ranks.append(_Rank(rank, None, requests))
         for r in self._ranks:
@@ -145,6 +147,23 @@ class WorkerPool:
         thread = threading.Thread(target=self._watch_processes, name="dwdp-router-watch", daemon=True)
         thread.start()
         self._threads.append(thread)
+
+    def _open_store(self) -> None:
+        """The world's store: on loopback for one node; over several, node 0 hosts it at dist_init_addr and
+        the others' workers join it there (it outlives any worker: the board and beats live in it)."""
+        config = self.config
+        if config.nnodes == 1:
+            self._store = LoopbackStore(config.startup_timeout_s)
+            self._store_env = self._store.env()
+            return
+        host, port = split_address(config.dist_init_addr)
+        if config.node_rank == 0:
+            self._store = LoopbackStore(config.startup_timeout_s, host, port)
+        self._store_env = store_env(host, port)
+
+    def _rank(self, rank: int) -> _Rank:
+        """This node's worker of group rank `rank`."""
+        return self._ranks[rank - self.config.first_rank]
 
     def _start_worker(self, rank: int, requests, rejoin: bool) -> mp.Process:
         """Start one worker process with a results pipe of its own, and the thread that reads it."""
@@ -154,12 +173,12 @@ class WorkerPool:
             from dwdp.serve.dep_worker import dep_worker_main
 
             process = self._ctx.Process(target=dep_worker_main, name=f"dwdp-serve-dep-rank{rank}", daemon=False,
-                                        args=(rank, self.config.ranks, self._store.env(), self.config, self.kv_dir,
+                                        args=(rank, self.config.ranks, self._store_env, self.config, self.kv_dir,
                                               requests, results))
         else:
             process = self._ctx.Process(target=worker_main, name=f"dwdp-serve-dwdp-rank{rank}", daemon=False,
-                                        args=(rank, self.config.ranks, self._store.env(), self.config, self.kv_dir,
-                                              requests, results, rejoin))
+                                        args=(rank, self.config.group_ranks, self._store_env, self.config,
+                                              self.kv_dir, requests, results, rejoin))
         process.start()
         writer.close()  # the worker holds the only write end: its death reads as the pipe's end
         thread = threading.Thread(target=self._read_results, args=(reader,), daemon=True,
@@ -263,7 +282,7 @@ class WorkerPool:
             raise ServeError(503, "no_healthy_worker", str(exc), retry_after=RETRY_AFTER_S) from None
         except Overloaded as exc:
             raise ServeError(429, "overloaded", str(exc), retry_after=RETRY_AFTER_S) from None
-        r = self._ranks[rank]
+        r = self._rank(rank)
         req.rank = rank
         req.done_tokens = 0  # a worker that takes it over prefills it from the start
         req.tried.add(rank)
@@ -276,7 +295,7 @@ class WorkerPool:
         """Forget a request everywhere; returns it (None if already finished)."""
         req = self._requests.pop(request_id, None)
         if req is not None:
-            r = self._ranks[req.rank]
+            r = self._rank(req.rank)
             if r.queued.pop(request_id, None) is not None or r.running.pop(request_id, None) is not None:
                 r.outstanding_tokens -= req.left_tokens
             self._changed.notify_all()
@@ -320,9 +339,9 @@ class WorkerPool:
         outcome, req = None, None
         with self._changed:
             if isinstance(getattr(msg, "rank", None), int):
-                self._ranks[msg.rank].last_heard = time.monotonic()
+                self._rank(msg.rank).last_heard = time.monotonic()
             if isinstance(msg, WorkerHealth):
-                r = self._ranks[msg.rank]
+                r = self._rank(msg.rank)
                 r.health = msg.status
                 if msg.status.get("device_lost") and self._restarts is not None and r.is_alive and r.is_ready:
                     log.warning("worker rank %d reports its device lost (%s): stopping it to start it again", r.rank,
@@ -334,7 +353,7 @@ class WorkerPool:
                     log.warning("worker rank %d reports again: routable once more", r.rank)
                 self._changed.notify_all()
             elif isinstance(msg, WorkerReady):
-                r = self._ranks[msg.rank]
+                r = self._rank(msg.rank)
                 if r.restarts:
                     r.rejoins += 1
                     log.warning("worker rank %d (pid %d) rejoined its group and is ready", r.rank, msg.pid)
@@ -342,16 +361,16 @@ class WorkerPool:
                 self.model_info = self.model_info or msg.model_info
                 self._changed.notify_all()
             elif isinstance(msg, WorkerFailed):
-                self._ranks[msg.rank].failure = msg.error
+                self._rank(msg.rank).failure = msg.error
                 self._changed.notify_all()
             elif isinstance(msg, BatchStarted):
-                r = self._ranks[msg.rank]
+                r = self._rank(msg.rank)
                 for request_id in msg.request_ids:
                     started = r.queued.pop(request_id, None)
                     if started is not None:
                         r.running[request_id] = started
             elif isinstance(msg, PrefillResult):
-                r = self._ranks[msg.rank]
+                r = self._rank(msg.rank)
                 req = self._finish_locked(msg.request_id)
                 r.kv_write_s += msg.kv_write_s
                 if req is not None:
@@ -360,7 +379,7 @@ class WorkerPool:
                     self._recent.append((time.monotonic(), msg.prompt_tokens))
                     outcome = msg
             elif isinstance(msg, BatchDone):
-                r = self._ranks[msg.rank]
+                r = self._rank(msg.rank)
                 r.forwards += 1
                 r.forward_s += msg.prefill_s
                 if msg.outside_s is not None:
@@ -392,7 +411,7 @@ class WorkerPool:
         req = self._requests.get(msg.request_id)
         if req is None:
             return None, None
-        r = self._ranks[req.rank]
+        r = self._rank(req.rank)
         if r.queued.pop(msg.request_id, None) is not None or r.running.pop(msg.request_id, None) is not None:
             r.outstanding_tokens -= req.left_tokens
         try:
@@ -474,9 +493,9 @@ class WorkerPool:
     def inject_fault(self, rank: int) -> list[int]:
         """Chaos testing: tell every live worker that `rank`'s memory is unreadable from now on;
         returns the ranks told."""
-        if not 0 <= rank < len(self._ranks):
+        if not 0 <= rank < self.config.group_ranks:
             raise ServeError(400, "invalid_request_error", f"rank={rank} is not a worker rank [0, "
-                             f"{len(self._ranks)})", param="rank")
+                             f"{self.config.group_ranks})", param="rank")
         with self._lock:
             told = [r for r in self._ranks if r.is_alive]
             for r in told:
@@ -485,7 +504,11 @@ class WorkerPool:
 
     # -- observability -------------------------------------------------------------------------
     def _redundancy_locked(self) -> list[int]:
-        """Per expert, how many routable workers hold it locally (empty before any reported)."""
+        """Per expert, how many routable workers hold it locally (empty before any reported); over several
+        nodes, how many owners a routable worker of this node sees alive."""
+        if self.config.nnodes > 1:
+            seen = [r.health.get("redundancy") for r in self._ranks if r.is_routable and r.health.get("redundancy")]
+            return list(seen[0]) if seen else []
         owned = [r.info.get("local_experts") for r in self._ranks]
         if any(o is None for o in owned):
             return []
@@ -496,6 +519,22 @@ class WorkerPool:
                 for e in experts:
                     counts[e] += 1
         return counts
+
+    def _group_locked(self) -> list[dict]:
+        """Every rank of the group and where it runs: this node's workers as the router sees them, the
+        others as this node's first reporting worker sees them (their liveness: shared memory, or beats)."""
+        seen = next((r.health.get("peers") for r in self._ranks if r.is_alive and r.health.get("peers")), {})
+        out = []
+        for rank in range(self.config.group_ranks):
+            if self.config.first_rank <= rank < self.config.first_rank + self.config.ranks:
+                r = self._rank(rank)
+                state = "serving" if r.is_routable else "ready" if r.is_alive and r.is_ready else \
+                    "starting" if r.is_alive else "down"
+                out.append({"rank": rank, "node": self.node, "state": state, "here": True})
+            else:
+                node, state = seen.get(rank, seen.get(str(rank), (None, "unknown")))
+                out.append({"rank": rank, "node": node, "state": state, "here": False})
+        return out
 
     def snapshot(self) -> dict:
         """Health and load of every worker, for /health and /metrics."""
@@ -534,6 +573,8 @@ class WorkerPool:
                 status = "ok" if routable == len(workers) else "degraded"
             forwards = {"forwards": self.model_info.get("forwards"), "padded_reason": self.model_info.get("padded_reason")}
             return {"status": status, "mode": self.config.mode, **forwards, "workers": workers,
+                    "node": self.node, "nnodes": self.config.nnodes, "node_rank": self.config.node_rank,
+                    "group": self._group_locked(),
                     "in_flight": len(self._requests),
                     "retried": self.num_retried, "failed": self.num_failed,
                     "restarts": sum(r.restarts for r in self._ranks), "rejoins": sum(r.rejoins for r in self._ranks),

@@ -9,7 +9,7 @@ import tempfile
 import time
 
 from dwdp.serve.auth import is_loopback
-from dwdp.serve.config import ServeConfig
+from dwdp.serve.config import ServeConfig, split_address
 from dwdp.serve.front import FrontConfig
 from dwdp.serve.kv_budget import default_budget
 from dwdp.serve.kv_dir import KVDirError, claim_kv_dir
@@ -46,6 +46,10 @@ def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
     if front.api_key is None and not is_loopback(config.host):
         print(f"dwdp serve: warning: bound to {config.host} without an API key: anyone who reaches the port can use "
               "it (give --api-key or DWDP_API_KEY)", file=sys.stderr, flush=True)
+    if config.nnodes > 1 and config.node_rank == 0 and not is_loopback(split_address(config.dist_init_addr)[0]):
+        print(f"dwdp serve: the group's store listens on {config.dist_init_addr} without authentication: anyone who "
+              "reaches it can rewrite the group's board; keep that address on a network only the group's nodes "
+              "reach", file=sys.stderr, flush=True)
     kv_dir = config.kv_dir or tempfile.mkdtemp(prefix="dwdp-kv-")
     try:
         claim = claim_kv_dir(kv_dir)
@@ -62,7 +66,10 @@ def run_server(config: ServeConfig, front: FrontConfig | None = None) -> int:
     try:
         pool.start()
         # A start that never gets ready (a launcher's bound runs out) shows how far it got in the log.
-        print(f"dwdp serve: {config.ranks} {config.mode} workers started; waiting for them to build the model and "
+        nodes = (f" (group ranks {config.first_rank}..{config.first_rank + config.ranks - 1} of {config.group_ranks}, "
+                 f"node {config.node_rank} of {config.nnodes}, store at {config.dist_init_addr}"
+                 f"{', hosted here' if config.node_rank == 0 else ''})") if config.nnodes > 1 else ""
+        print(f"dwdp serve: {config.ranks} {config.mode} workers{nodes} started; waiting for them to build the model and "
               f"join (at most {config.startup_timeout_s:.0f} s)", flush=True)
         try:
             pool.wait_ready()

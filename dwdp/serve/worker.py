@@ -28,6 +28,7 @@ from collections import deque
 
 import torch
 
+from dwdp import envs
 from dwdp.runtime.failover import RankDegraded
 from dwdp.serve.config import ServeConfig
 from dwdp.serve.kv import artifact_metadata, latent_layout, request_cache, to_host, write_kv_artifact
@@ -79,7 +80,7 @@ def worker_info(model, ready_s: float, backend: str, experts_kernel: str) -> dic
             "dtype": str(model.model.get_input_embeddings().weight.dtype).removeprefix("torch."),
             "local_expert_bytes": model.memory.local_expert_bytes,
             "prefetch_buffer_bytes": model.memory.prefetch_buffer_bytes,
-            "warmup_s": getattr(model, "warmup_s", 0.0), "ready_s": ready_s}
+            "warmup_s": getattr(model, "warmup_s", 0.0), "ready_s": ready_s, "node": envs.node_name()}
     placement = getattr(model, "placement", None)
     if placement is not None and hasattr(model, "group"):
         info["local_experts"] = list(placement.local_experts(model.group.rank))
@@ -329,7 +330,7 @@ def build_worker_model(config: ServeConfig, rank: int):
     from dwdp.runtime.group import init_group
     from dwdp.runtime.model import DWDPModel
 
-    device = rank_device(config.device, rank)
+    device = rank_device(config.device, rank - config.first_rank)  # this node's devices, by local rank
     dtype = model_dtype(config.device, config.dtype)
     dwdp_config = config.worker_dwdp
     group = init_group()
@@ -349,8 +350,8 @@ def worker_main(rank: int, world_size: int, store_env: dict, config: ServeConfig
     group and joins through the group's board, with no collective (dwdp.runtime.rejoin)."""
     # Ctrl-C reaches the whole process group; the router drains and stops the workers itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size), **store_env,
-                       "DWDP_REJOIN": "1" if rejoin else "0"})
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank - config.first_rank), "WORLD_SIZE": str(world_size),
+                       **store_env, "DWDP_REJOIN": "1" if rejoin else "0"})
     torch.set_num_threads(config.threads_per_worker)
     import torch.distributed as dist
 
