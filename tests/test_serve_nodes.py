@@ -48,18 +48,18 @@ def _post(server, ids):
     return httpx.post(f"{server.url}/v1/prefill", json={"input_ids": ids}, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve_nodes")
+def start_nodes(root, ranks: int = RANKS, replicas: int = 2, extra: tuple = ()) -> list[ServerProcess]:
+    """Two `dwdp serve`s, one a node, started together (each waits for the other's workers to join)."""
     for name in ("node0", "node1", "fabric"):
         (root / name).mkdir()
     address = f"127.0.0.1:{free_port()}"
     servers = []
     for node in range(NODES):
         servers.append(ServerProcess(
-            ["--ranks", str(RANKS), "--nnodes", str(NODES), "--node-rank", str(node), "--dist-init-addr", address,
-             "--expert-replicas", "2", "--peer-timeout", "0.5", "--remote-lost-after", str(LOST_S), "--preset", "tiny",
-             "--restart", "on-failure", "--restart-backoff", "0.2", "--stall-timeout", "6"], free_port(),
+            ["--ranks", str(ranks), "--nnodes", str(NODES), "--node-rank", str(node), "--dist-init-addr", address,
+             "--expert-replicas", str(replicas), "--peer-timeout", "0.5", "--remote-lost-after", str(LOST_S),
+             "--preset", "tiny", "--restart", "on-failure", "--restart-backoff", "0.2", "--stall-timeout", "6",
+             *extra], free_port(),
             env={"DWDP_NODE": f"node{node}", "DWDP_SHM_DIR": str(root / f"node{node}"),
                  "DWDP_FABRIC_DIR": str(root / "fabric")},
             log_path=str(root / f"log{node}"), startup_timeout_s=SERVER_START_S))
@@ -76,12 +76,19 @@ def nodes(tmp_path_factory):
         t.start()
     for t in threads:
         t.join()
-    try:
-        assert not errors, errors
-        yield servers
-    finally:
+    if errors:
         for s in servers:
             s.kill()
+        raise errors[0]
+    return servers
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    servers = start_nodes(tmp_path_factory.mktemp("serve_nodes"))
+    yield servers
+    for s in servers:
+        s.kill()
 
 
 @server_timeout(60)

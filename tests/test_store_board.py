@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from dwdp.runtime.board import Board
-from dwdp.runtime.group import DWDPGroup, LoopbackStore
+from dwdp.runtime.group import DWDPGroup, LoopbackStore, free_port
 from dwdp.runtime.store_board import MAX_ENTRY_BYTES, StoreBoard, board_key, find_board
 from dwdp.runtime.store_liveness import StoreBeat
 
@@ -130,3 +130,15 @@ def test_a_replacement_finds_its_group_in_the_store_when_it_published_there_else
         assert isinstance(found, StoreBoard) and found.read(0) is not None
     finally:
         store.close()
+
+
+def test_a_replacement_whose_group_is_on_no_local_board_and_whose_store_is_gone_is_told_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("DWDP_SHM_DIR", str(tmp_path))
+    _on(monkeypatch, "node1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens there
+    group = DWDPGroup(rank=1, size=2, group_id=GID, rejoining=True)
+    with pytest.raises(RuntimeError, match=r"rank 1 cannot rejoin group 'g-test'.*127\.0\.0\.1:\d+.*store is back"):
+        find_board(group)
+    Board(GID).publish(0, {}, _record(), 5)  # a live peer on this node's board: a group on one node
+    assert isinstance(find_board(group), Board)

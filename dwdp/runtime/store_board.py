@@ -133,16 +133,20 @@ class StoreBoard:
 
 
 def find_board(group) -> Board | StoreBoard:
-    """Where a replacement finds its running group: the world's store when the group published there (it
-    spans nodes), else the board in this node's DWDP_SHM_DIR."""
+    """Where a replacement finds its running group: this node's board in DWDP_SHM_DIR when a live peer is on
+    it (a group on one node), else the world's store when the group published there (it spans nodes).
+    Raises naming the store when neither has the group and the store cannot be reached: the group may
+    span nodes, and until its store is back nobody can rejoin it (serving goes on meanwhile)."""
     from dwdp.runtime.group import connect_store
 
-    if os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT"):
-        try:
-            board = StoreBoard(group.group_id, connect_store(FIND_TIMEOUT_S))
-        except RuntimeError as exc:
-            log.warning("rank %d: %s; looking for its group on this node only", group.rank, exc)
-        else:
-            if board.has_entries(group.size):
-                return board
-    return Board(group.group_id)
+    local = Board(group.group_id)
+    if any(local.read(r) is not None for r in range(group.size) if r != group.rank):
+        return local
+    if not (os.environ.get("MASTER_ADDR") and os.environ.get("MASTER_PORT")):
+        return local
+    try:
+        board = StoreBoard(group.group_id, connect_store(FIND_TIMEOUT_S))
+    except RuntimeError as exc:
+        raise RuntimeError(f"rank {group.rank} cannot rejoin group {group.group_id!r}: no live peer on this node's "
+                           f"board, and {exc}; a group over nodes heals again only once its store is back") from None
+    return board if board.has_entries(group.size) else local
