@@ -592,3 +592,16 @@ def test_a_lost_peers_release_that_fails_half_way_is_finished_by_close():
     assert driver.errors == ["cuMemUnmap failed once, on demand"], driver.errors
     for other in group.transports[1:]:
         other.close()
+
+
+def test_posix_fds_of_a_peer_on_another_host_are_refused_in_one_line(monkeypatch):
+    """POSIX fds cross no host: a handle naming another host is refused before any fd is taken, naming both
+    hosts and what a group over hosts needs."""
+    group = VmmGroup("page")
+    far = dict(group.handles[2], host="another-tray")
+    with pytest.raises(PrefetchError, match=r"rank 0: cannot import the segment of peer 2 \(host another-tray.*"
+                       r"POSIX fds do not cross hosts.*'another-tray'.*fabric handles"):
+        group.transports[0].open([*group.handles[:2], far])
+    assert group.drivers[0].names().count("cuMemImportFromShareableHandle") == \
+        len(group.layouts[1].segment_allocations)  # peer 1's only, then released
+    group.close()

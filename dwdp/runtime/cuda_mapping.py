@@ -7,10 +7,10 @@ views), "ipc" (CUDA IPC, the multi-buffer experts path), "symmetric_memory" (acr
 from __future__ import annotations
 
 import logging
-import socket
 
 import torch
 
+from dwdp import envs
 from dwdp.runtime.group import DWDPGroup
 from dwdp.runtime.store_board import find_board
 
@@ -36,7 +36,7 @@ def settle_cuda_mapping(requested: str, experts_kernel: str, group: DWDPGroup, d
     local = "ipc"
     if experts_kernel in ("auto", "composite"):
         local = cuda_vmm_peers.local_vmm_mapping(group.rank, device)
-    answers = group.all_gather_object((socket.gethostname(), local))
+    answers = group.all_gather_object((envs.node_name(), local))
     hosts, choices = {h for h, _ in answers}, {c for _, c in answers}
     if choices == {"vmm-fabric"}:
         refusals = cuda_vmm_peers.fabric_import_refusals(group.rank, device, group.all_gather_object)

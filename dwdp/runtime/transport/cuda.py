@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -41,6 +40,7 @@ from types import MappingProxyType
 
 import torch
 
+from dwdp import envs
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.plan import CopyPlan, coalesce, cut_batches
 from dwdp.runtime.transport.base import PeerCopyError, PeerUnreadable, PrefetchError, PrefetchTimeout, Transport
@@ -353,7 +353,7 @@ class CudaTransport(Transport):
         # Peers read the segment from their own streams: its fill must be complete first.
         self.api.device_synchronize()
         handle = {"backend": self.name, "rank": self.rank, "mapping": self.mapping,
-                  "nbytes": self._segment.numel(), "host": socket.gethostname(), "device": self.device.index or 0}
+                  "nbytes": self._segment.numel(), "host": envs.node_name(), "device": self.device.index or 0}
         self.mapper.export(handle)
         self._handle = handle
         return handle

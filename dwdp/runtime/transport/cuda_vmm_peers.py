@@ -25,6 +25,7 @@ from types import MappingProxyType
 
 import torch
 
+from dwdp import envs
 from dwdp.runtime.transport import cuda_api
 from dwdp.runtime.transport.base import PrefetchError
 from dwdp.runtime.transport.cuda_peers import PeerMapping, raw_bytes
@@ -197,6 +198,10 @@ class VmmMapping(PeerMapping):
                     imported.append(self.vmm.import_(raw_bytes(raw), "fabric"))
                 self.fd_paths[peer] = "fabric handles"
                 return imported
+            if handle.get("host") != envs.node_name():
+                raise ValueError(f"POSIX fds do not cross hosts: the peer runs on {handle.get('host')!r}, this rank "
+                                 f"on {envs.node_name()!r}; a group over several hosts needs fabric handles "
+                                 "(vmm-fabric: an IMEX channel on every node)")
             ensure_fd_room(min(len(handle["allocations"]), SCM_MAX_FD))
             fds, self.fd_paths[peer] = take_fds(handle)
             try:
