@@ -133,3 +133,35 @@ def test_bad_arguments(args, words):
     with pytest.raises(ValueError) as err:
         build_placement(*args)
     assert words in str(err.value), str(err.value)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 4), st.integers(2, 4), st.integers(1, 4), st.integers(1, 8))
+def test_a_node_lost_leaves_every_expert_when_replicas_reach_the_nodes_count(per_node, nodes, extra, factor):
+    """Spread over nodes, the ranks of any one node own every expert once expert_replicas >= nodes; the
+    ownership is a permutation of the node-blind one (the same windows, dealt to other ranks)."""
+    group = per_node * nodes
+    num_experts = group * factor + extra - 1
+    if num_experts < group:
+        return
+    replicas = nodes
+    spread = build_placement(num_experts, group, replicas=replicas, ranks_per_node=per_node)
+    blind = build_placement(num_experts, group, replicas=replicas)
+    assert sorted(spread.owned) == sorted(blind.owned)
+    for node in range(nodes):
+        held = {e for r in range(node * per_node, (node + 1) * per_node) for e in spread.owned[r]}
+        assert held == set(range(num_experts)), (node, spread.owned)
+
+
+def test_spread_over_two_nodes_by_hand():
+    """16 experts, 2 nodes of 2 ranks, 2 owners an expert: node 0 (ranks 0, 1) holds 0-7 and 8-15, node 1
+    4-11 and 12-3; node-blind, ranks 2 and 3 alone would hold 12-15."""
+    spread = build_placement(16, 4, replicas=2, ranks_per_node=2)
+    assert spread.owned == (tuple(range(8)), tuple(range(8, 16)), tuple(range(4, 12)), (0, 1, 2, 3, 12, 13, 14, 15))
+    assert build_placement(16, 4, replicas=2, ranks_per_node=4).owned == build_placement(16, 4, replicas=2).owned
+
+
+@pytest.mark.parametrize("per_node", [0, 3, True, 2.0])
+def test_ranks_per_node_must_divide_the_group(per_node):
+    with pytest.raises(ValueError, match=rf"ranks_per_node={per_node!r} must be an int >= 1 dividing group_size=4"):
+        build_placement(16, 4, replicas=2, ranks_per_node=per_node)

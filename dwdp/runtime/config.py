@@ -44,6 +44,10 @@ class DWDPConfig:
         whose heartbeat is older than this is reported stalled.
     remote_lost_after_s: a peer on another node (no pidfd there) whose beat in the store has not moved
         for this long is lost (dwdp.runtime.store_liveness); at least peer_timeout_s.
+    ranks_per_node: consecutive ranks of the group that share a node (torchrun's LOCAL_WORLD_SIZE; `dwdp
+        serve --nnodes` sets its --ranks): each node's ranks own windows spread over all experts, so a
+        node lost leaves the others every expert their windows cover: all of them when expert_replicas
+        is at least the number of nodes. None: placement ignores nodes.
     inflight: slices a copier keeps outstanding at once (host: number of copier threads).
     experts_kernel: "reference" (plain PyTorch: local experts first, then the remote ones in at most
         two calls as they land), "triton" (fused multi-buffer grouped GEMM, local experts first),
@@ -80,6 +84,7 @@ class DWDPConfig:
     wait_timeout_s: float = 60.0
     peer_timeout_s: float = 2.0
     remote_lost_after_s: float = 10.0
+    ranks_per_node: int | None = None
     inflight: int = 2
     experts_kernel: str = "auto"
     cuda_copy: str = "batch"
@@ -115,6 +120,8 @@ class DWDPConfig:
             timeout = getattr(self, name)
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (0 < timeout < float("inf")):
                 raise ValueError(f"{name}={timeout!r} must be a finite number of seconds > 0")
+        if self.ranks_per_node is not None:
+            _check_int("ranks_per_node", self.ranks_per_node, 1, 1 << 20)
         if self.remote_lost_after_s < self.peer_timeout_s:
             raise ValueError(f"remote_lost_after_s={self.remote_lost_after_s} must be >= peer_timeout_s="
                              f"{self.peer_timeout_s}: a remote peer is stalled before it is lost")

@@ -178,7 +178,7 @@ class DWDPModel(ModelWrapper):
         group = _join_group(config, group)
         first = layers[0]
         placement = build_placement(first.spec.num_experts, group.size, config.num_local_experts,
-                                    config.expert_replicas)
+                                    config.expert_replicas, config.ranks_per_node)
         device = first.spec.moving[0].stored(first.module).device
         backend = resolve_backend(config.backend, torch.device("cpu") if device.type == "meta" else device)
 

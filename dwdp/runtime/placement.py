@@ -67,8 +67,16 @@ def min_local_experts(num_experts: int, group_size: int) -> int:
     return math.ceil(num_experts / group_size)
 
 
-def _starts(num_experts: int, group_size: int) -> list[int]:
-    return [r * num_experts // group_size for r in range(group_size)]
+def _starts(num_experts: int, group_size: int, ranks_per_node: int | None = None) -> list[int]:
+    """Where each rank's window of consecutive experts starts. Over several nodes (`ranks_per_node`
+    consecutive ranks a node), one node's ranks take every nodes-th start (node n's i-th rank the
+    (i x nodes + n)-th), so each node's windows spread over the whole ring: a node lost leaves the
+    others owners of as many experts as their windows can cover."""
+    positions = list(range(group_size))
+    if ranks_per_node is not None and 1 <= ranks_per_node < group_size and group_size % ranks_per_node == 0:
+        nodes = group_size // ranks_per_node
+        positions = [(r % ranks_per_node) * nodes + r // ranks_per_node for r in range(group_size)]
+    return [p * num_experts // group_size for p in positions]
 
 
 def local_experts_for_replicas(num_experts: int, group_size: int, replicas: int) -> int:
@@ -85,9 +93,11 @@ def local_experts_for_replicas(num_experts: int, group_size: int, replicas: int)
 
 
 def build_placement(num_experts: int, group_size: int, num_local_experts: int | None = None,
-                    replicas: int = 1) -> Placement:
+                    replicas: int = 1, ranks_per_node: int | None = None) -> Placement:
     """Ownership and source choice for `group_size` ranks over `num_experts` experts; `replicas`:
-    owners every expert must have (num_local_experts None picks the fewest that give them)."""
+    owners every expert must have (num_local_experts None picks the fewest that give them);
+    ranks_per_node: consecutive ranks sharing a node, whose experts are spread over the ring (None: one
+    node, or nodes not considered)."""
     if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
         raise ValueError(f"num_experts={num_experts!r} must be an int >= 1")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 1 <= group_size <= num_experts:
@@ -95,6 +105,9 @@ def build_placement(num_experts: int, group_size: int, num_local_experts: int | 
             f"group_size={group_size!r} must be an int in [1, num_experts={num_experts}]: "
             "every rank needs at least one expert of its own"
         )
+    if ranks_per_node is not None and (isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int)
+                                       or ranks_per_node < 1 or group_size % ranks_per_node):
+        raise ValueError(f"ranks_per_node={ranks_per_node!r} must be an int >= 1 dividing group_size={group_size}")
     lowest = min_local_experts(num_experts, group_size)
     if isinstance(replicas, bool) or not isinstance(replicas, int):
         raise ValueError(f"expert_replicas={replicas!r} must be an int in [1, group_size={group_size}]")
@@ -112,7 +125,7 @@ def build_placement(num_experts: int, group_size: int, num_local_experts: int | 
                          f"{replicas} owners over group_size={group_size}; it needs at least {wanted}")
     owned = tuple(
         tuple(sorted({(start + j) % num_experts for j in range(num_local_experts)}))
-        for start in _starts(num_experts, group_size)
+        for start in _starts(num_experts, group_size, ranks_per_node)
     )
     source = _choose_sources(num_experts, group_size, owned)
     return Placement(num_experts, group_size, num_local_experts, owned, source)

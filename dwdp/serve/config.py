@@ -258,6 +258,8 @@ class ServeConfig:
         config = (self.dwdp or DWDPConfig()).replace(
             group_size=self.group_ranks, slice_bytes=self.slice_bytes, expert_replicas=self.expert_replicas,
             peer_timeout_s=self.peer_timeout_s, remote_lost_after_s=self.remote_lost_after_s, backend=backend)
+        if self.nnodes > 1:  # each node's workers own experts spread over the ring: a node lost leaves the most
+            config = config.replace(ranks_per_node=self.ranks)
         return config.replace(slice_bytes=config.slice_bytes_for(backend))
 
     @property
