@@ -22,7 +22,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = build_tiny_model(args.family, seed=0)  # same weights on every rank
-    with DWDPModel(model, DWDPConfig(slice_bytes=8192)) as wrapped:  # joins the torchrun world
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None  # each node's experts spread over the ring
+    with DWDPModel(model, DWDPConfig(slice_bytes=8192, ranks_per_node=per_node)) as wrapped:  # joins torchrun's world
         rank = wrapped.group.rank
         ids = torch.randint(3, 128, (2, 5 + rank), generator=torch.Generator().manual_seed(rank))  # own batch
         reference = build_tiny_model(args.family, seed=0)
