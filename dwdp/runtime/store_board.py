@@ -26,7 +26,7 @@ from dwdp.runtime.store_liveness import CLOSED, FAILED, beat_key, parse_beat
 
 log = logging.getLogger("dwdp")
 
-MAX_ENTRY_BYTES = 64 * 1024  # an entry holds a few handles: anything longer is not one of ours
+MAX_ENTRY_BYTES = 4 << 20  # handles of a few hundred allocations (fabric: 128 hex digits each); longer is not ours
 FIND_TIMEOUT_S = 5.0         # how long a replacement tries to reach the store before it looks on its node
 
 
