@@ -22,27 +22,45 @@ def _watching(store, beat: StoreBeat, stall=1.0, lost=3.0) -> RemotePeers:
     return peers
 
 
+def _read(peers: RemotePeers, now: float, peer: int = 5):
+    """The peer's status right after a read of the beats at `now` (the reader's thread reads every period)."""
+    peers.poll(now=now)
+    return peers.status(peer, now=now)
+
+
 def test_a_beating_peer_is_alive_a_silent_one_stalled_then_lost(store):
     beat = StoreBeat(store, "g0", 5)
     beat.set_state(SERVING)
     peers = _watching(store, beat)
     peers.poll(now=0.0)
-    assert peers.status(5, now=0.9).state == "alive"
-    assert peers.status(5, now=1.5).state == "stalled"
+    assert _read(peers, 0.9).state == "alive"
+    assert _read(peers, 1.5).state == "stalled"
     beat.beat()
     peers.poll(now=2.0)  # the count moved: silence starts again at 2.0
     assert peers.status(5, now=2.5).state == "alive" and peers.status(5, now=2.5).beat_age_s == 0.5
     peers.poll(now=4.0)  # no beat since 2.0
-    assert peers.status(5, now=4.9).state == "stalled"
-    assert peers.status(5, now=5.1).state == "exited", "silent past the lost bound must be lost"
+    assert _read(peers, 4.9).state == "stalled"
+    assert _read(peers, 5.1).state == "exited", "silent past the lost bound must be lost"
 
 
 def test_a_peer_still_starting_is_not_stalled_before_the_lost_bound(store):
     beat = StoreBeat(store, "g0", 5)
     peers = _watching(store, beat)
     peers.poll(now=0.0)
-    assert peers.status(5, now=2.0).state == "alive"
-    assert peers.status(5, now=3.5).state == "exited"
+    assert _read(peers, 2.0).state == "alive"
+    assert _read(peers, 3.5).state == "exited"
+
+
+def test_silence_the_reader_has_not_read_is_not_the_peers(store):
+    """A store that answers too slowly (a read still blocked): past the stall bound since the last read
+    completed, the reader does not know, and a peer is never lost on silence it has not seen."""
+    beat = StoreBeat(store, "g0", 5)
+    beat.set_state(SERVING)
+    peers = _watching(store, beat)
+    peers.poll(now=0.0)
+    assert peers.status(5, now=0.9).state == "alive"
+    assert peers.status(5, now=1.1).state == "unknown" and peers.status(5, now=100.0).state == "unknown"
+    assert _read(peers, 100.0).state == "exited"  # read now: silent since 0.0 it is
 
 
 @pytest.mark.parametrize("state, seen", [(CLOSED, "closed"), (FAILED, "failed")])
@@ -51,7 +69,7 @@ def test_closed_and_failed_are_read_from_the_beat(store, state, seen):
     peers = _watching(store, beat)
     beat.set_state(state)
     peers.poll(now=0.0)
-    assert peers.status(5, now=100.0).state == seen
+    assert _read(peers, 100.0).state == seen
 
 
 def test_a_new_incarnation_under_the_key_means_the_watched_one_is_gone(store):
@@ -117,8 +135,45 @@ def test_peer_liveness_watches_a_peer_of_another_node_through_its_beat(store, mo
     status = liveness.status(1)
     assert status.state == "alive" and status.remote, status
     remote.clock = lambda: 10.0
+    remote.poll()
     assert liveness.status(1).is_lost and "another node" in liveness.status(1).describe(1)
     liveness.forget(1)
     assert liveness.peers == () and remote.peers == ()
     # Without a store, a peer of another node is not watched at all (its status unknown), as before.
     assert PeerLiveness(0, handles, 1.0, None).peers == ()
+
+
+def test_a_hanging_store_never_holds_up_the_beat_node_mates_read(tmp_path):
+    """The store's beats are written from their own thread: while a write hangs, the shared-memory record
+    keeps beating (its node-mates would otherwise see a healthy rank stalled)."""
+    import threading
+    import time
+
+    from dwdp.runtime.liveness import _BEAT, LivenessRecord
+
+    class HangingStore:
+        def __init__(self):
+            self.release, self.writes = threading.Event(), 0
+
+        def set(self, key, value):
+            self.writes += 1
+            if self.writes > 2:  # the beat thread's first write hangs until released
+                self.release.wait(60)
+
+    store = HangingStore()
+    record = LivenessRecord(tmp_path, 0.005, StoreBeat(store, "g0", 0))
+    record.start()
+    try:
+        deadline = time.monotonic() + 30
+        while store.writes < 3:
+            assert time.monotonic() < deadline, "the store beat never wrote"
+            time.sleep(0.005)
+        seen = {int(record.words[_BEAT])}
+        while len(seen) < 4:  # the record beats on while the store write hangs
+            assert time.monotonic() < deadline, f"the record stopped beating while the store hung: {seen}"
+            time.sleep(0.005)
+            seen.add(int(record.words[_BEAT]))
+        assert store.writes == 3  # still hanging in the third
+    finally:
+        store.release.set()
+        record.close()

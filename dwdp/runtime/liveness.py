@@ -89,14 +89,13 @@ class LivenessRecord:
         self.words[_STATE] = SERVING
         if self.beat is not None:
             self.beat.set_state(SERVING)
+            self.beat.start(self.period_s)  # its own thread: a hanging store never delays the record's beat
         self._thread = threading.Thread(target=self._beat, name="dwdp-heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self) -> None:
         while not self._stop.wait(self.period_s):
             self.words[_BEAT] = time.monotonic_ns()
-            if self.beat is not None:
-                self.beat.beat()
 
     def seal(self) -> None:
         """Every peer has mapped the record: drop its name."""
@@ -115,6 +114,8 @@ class LivenessRecord:
         if self._thread is not None:
             self._thread.join(timeout=5)
             self._thread = None
+        if self.beat is not None:
+            self.beat.stop()
         if int(self.words[_STATE]) != FAILED:
             self.words[_STATE] = CLOSED
             if self.beat is not None:

@@ -8,7 +8,10 @@ reader never compares clocks across nodes: it notes, on its own monotonic clock,
 peer's count change, and calls the peer `stalled` once that is older than the stall bound and `exited`
 (lost) once it is older than the lost bound; a new incarnation under the key means the one it watched is
 gone. A store it cannot reach makes every remote peer `unknown`, never lost: serving goes on (a failing
-copy still declares a peer lost) and losses wait for the store to come back.
+copy still declares a peer lost) and losses wait for the store to come back. So does a store that
+answers too slowly: a reader whose last read is older than the stall bound does not know, and says so.
+Beats are written from a thread of their own, so a store that hangs never holds up the shared-memory
+record node-mates read.
 """
 from __future__ import annotations
 
@@ -74,6 +77,23 @@ class StoreBeat:
         self.count += 1
         self._write()
 
+    def start(self, period_s: float) -> None:
+        """Beat every `period_s` from a daemon thread until `stop`."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(period_s,), name="dwdp-store-beat", daemon=True)
+        self._thread.start()
+
+    def _run(self, period_s: float) -> None:
+        while not self._stop.wait(period_s):
+            self.beat()
+
+    def stop(self) -> None:
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            self._stop.set()
+            thread.join(timeout=5)
+            self._thread = None
+
 
 @dataclass
 class _Watched:
@@ -104,6 +124,7 @@ class RemotePeers:
         self.store, self.stall_after_s, self.lost_after_s, self.period_s = store, stall_after_s, lost_after_s, period_s
         self.clock = clock
         self.reachable = True
+        self.read_at: float | None = None  # the reader's time of its last complete read of the beats
         self._peers: dict[int, _Watched] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -155,12 +176,15 @@ class RemotePeers:
                 w.count, w.state, w.changed_at = count, state, now
             if state in (CLOSED, FAILED):
                 w.state = state
+        self.read_at = now
 
     def status(self, peer: int, now: float | None = None) -> RemoteStatus:
         now = self.clock() if now is None else now
         w = self._peers.get(peer)
         if w is None or not self.reachable:
             return RemoteStatus("unknown", None)
+        if self.read_at is not None and now - self.read_at > self.stall_after_s:
+            return RemoteStatus("unknown", None)  # no read completed lately (a store too slow): silence unseen
         age = now - w.changed_at
         if w.replaced:
             return RemoteStatus("exited", age)
