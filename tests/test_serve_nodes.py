@@ -6,7 +6,8 @@
 In order (the tests share the servers): both routers answer as the unwrapped model and /health shows
 every rank and its node; a worker of node 1 killed under load on both routers is declared lost by node
 0's workers by its beats (no pidfd across nodes), is restarted on node 1 and rejoins through the store,
-with no request lost; then all of node 1 is killed: node 0 declares both its ranks lost and serves on
+with no request lost; a worker of node 0 is lost and taken back the same way by node 1; then all of node 1
+is killed: node 0 declares both its ranks lost and serves on
 (the placement spreads each node's experts over the ring: with 2 owners an expert, each node holds
 them all), saying which experts nobody left holds where there are any."""
 from __future__ import annotations
@@ -147,6 +148,27 @@ def test_a_killed_worker_on_node_1_is_lost_by_its_beats_and_rejoins_through_the_
         assert r.json()["first_token_id"] == first_token(model, ids), r.json()
     print(f"rank {victim_rank} on node 1 killed: declared lost by node 0 in {declared_s:.2f} s (bound {LOST_S} s), "
           f"healed in {healed_s:.2f} s")
+
+
+@server_timeout(180)
+def test_a_killed_worker_on_node_0_rejoins_too_and_node_1_takes_it_back(nodes, model):
+    """Rank 0 (node 0, beside the store's host): node 1's workers lose it by its beats and take its
+    replacement back once it published in the store."""
+    node0, node1 = nodes
+    victim = _health(node0)["workers"][0]
+    assert victim["rank"] == 0
+    os.kill(victim["pid"], signal.SIGKILL)
+    _wait(node1, lambda h: all("0" in w["lost_peers"] or w["peer_rejoins"].get("0") == 1 for w in h["workers"]))
+    back = _wait(node0, lambda h: h["workers"][0]["rejoins"] == 1 and h["workers"][0]["routable"], timeout_s=120)
+    assert back["workers"][0]["pid"] != victim["pid"] and back["workers"][0]["expert_source"] == "peers", back
+    healed = _wait(node1, lambda h: all(w["peer_rejoins"].get("0") == 1 and not w["lost_peers"]
+                                        for w in h["workers"]), timeout_s=60)
+    assert [g["state"] for g in healed["group"]] == ["alive", "alive", "serving", "serving"], healed["group"]
+    ids_list = prompts(55, 6, 20)
+    after = [_post(node0, ids) for ids in ids_list]
+    assert [r.status_code for r in after] == [200] * len(after), [r.text for r in after]
+    for ids, r in zip(ids_list, after):
+        assert r.json()["first_token_id"] == first_token(model, ids), r.json()
 
 
 @server_timeout(120)
