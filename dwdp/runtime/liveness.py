@@ -194,14 +194,14 @@ class PeerLiveness:
 
     def watch(self, peer: int, handle: dict) -> None:
         """Map `peer`'s record (at setup, or a new incarnation's once the old one was forgotten)."""
-        if peer in self._words or (self.remote is not None and peer in self.remote.peers):
+        if peer in self._words or (self.remote is not None and peer in self.remote):
             raise RuntimeError(f"rank {self.rank}: already watching peer {peer}; forget({peer}) first")
         self._nodes[peer] = handle.get("host")
         beat = handle.get("beat")
         self._incarnations[peer] = beat.get("incarnation") if isinstance(beat, dict) else None
         if handle.get("host") != envs.node_name():
-            if self.remote is not None and isinstance(handle.get("beat"), dict):
-                self.remote.watch(peer, int(handle["pid"]), handle["beat"])
+            if self.remote is not None and isinstance(beat, dict):
+                self.remote.watch(peer, int(handle["pid"]), beat)
             return  # on another node: no record to read here (without a store its status stays unknown)
         if not os.path.exists(handle["path"]):
             raise FileNotFoundError(f"rank {self.rank}: liveness record {handle['path']} of peer {peer} does not exist")
@@ -231,7 +231,7 @@ class PeerLiveness:
     def status(self, peer: int) -> PeerStatus:
         words = self._words.get(peer)
         if words is None:
-            if self.remote is not None and peer in self.remote.peers:
+            if self.remote is not None and peer in self.remote:
                 seen = self.remote.status(peer)
                 return PeerStatus(seen.state, self.remote.pid(peer), seen.beat_age_s, remote=True)
             return PeerStatus("unknown", -1, None)

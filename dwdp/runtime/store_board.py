@@ -54,20 +54,24 @@ class StoreBoard:
     def __repr__(self) -> str:
         return f"StoreBoard({self.group_id!r})"
 
-    def _raw(self, rank: int) -> bytes | None:
-        key = board_key(self.group_id, rank)
+    def _get(self, key: str) -> bytes | None:
+        """The value under `key`, None when there is none or the store does not answer (its host is gone:
+        nobody is found, nobody is lost by it)."""
         try:
             raw = bytes(self.store.get(key)) if self.store.check([key]) else None
-        except Exception as exc:  # the store's host is gone: nobody is found, nobody is lost by it
+        except Exception as exc:
             if not self._unreachable:
-                log.warning("board entry %s unreadable: the store is unreachable (%s: %s)", key, type(exc).__name__,
-                            exc)
+                log.warning("%s unreadable: the store is unreachable (%s: %s)", key, type(exc).__name__, exc)
             self._unreachable = True
             return None
         self._unreachable = False
         return raw
 
-    def _parse(self, rank: int, raw: bytes | None) -> dict | None:
+    def _raw(self, rank: int) -> bytes | None:
+        return self._get(board_key(self.group_id, rank))
+
+    @staticmethod
+    def _parse(raw: bytes | None) -> dict | None:
         if not raw or len(raw) > MAX_ENTRY_BYTES:
             return None
         try:
@@ -82,13 +86,8 @@ class StoreBoard:
         beat = entry["record"].get("beat")
         if not isinstance(beat, dict):
             return False
-        try:
-            # The key is ours to compute: an entry never names what this process reads.
-            raw = self.store.get(beat_key(self.group_id, rank)) if self.store.check([beat_key(self.group_id, rank)]) \
-                else None
-        except Exception:
-            return False
-        seen = parse_beat(bytes(raw)) if raw is not None else None
+        raw = self._get(beat_key(self.group_id, rank))  # ours to compute: an entry never names what is read
+        seen = parse_beat(raw) if raw is not None else None
         return seen is not None and seen[0] == beat.get("incarnation") and seen[1] not in (CLOSED, FAILED)
 
     def publish(self, rank: int, segment: dict, record: dict, dense_checksum: int) -> None:
@@ -103,7 +102,7 @@ class StoreBoard:
 
     def read(self, rank: int) -> dict | None:
         """`rank`'s entry, or None when it has none, it is not an entry, or its process is gone."""
-        entry = self._parse(rank, self._raw(rank))
+        entry = self._parse(self._raw(rank))
         return entry if entry is not None and self._alive(rank, entry) else None
 
     def _clear(self, rank: int, expected: bytes) -> None:
@@ -117,7 +116,7 @@ class StoreBoard:
         """Clear `rank`'s entry when its process is gone (a survivor cleans up after a loss); a peer on
         another node whose beat still names it stays until it is replaced."""
         raw = self._raw(rank)
-        entry = self._parse(rank, raw)
+        entry = self._parse(raw)
         if entry is not None and not self._alive(rank, entry):
             self._clear(rank, raw)
 

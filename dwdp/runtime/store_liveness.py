@@ -143,6 +143,9 @@ class RemotePeers:
         with self._lock:
             return tuple(sorted(self._peers))
 
+    def __contains__(self, peer: int) -> bool:
+        return peer in self._peers
+
     def pid(self, peer: int) -> int:
         return self._peers[peer].pid
 
@@ -174,8 +177,6 @@ class RemotePeers:
                 continue
             if count != w.count or state != w.state:
                 w.count, w.state, w.changed_at = count, state, now
-            if state in (CLOSED, FAILED):
-                w.state = state
         self.read_at = now
 
     def status(self, peer: int, now: float | None = None) -> RemoteStatus:
